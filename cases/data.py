@@ -1,0 +1,44 @@
+"""Deterministic synthetic datasets whose samples carry ids.
+
+Ids are offset from the indices on purpose (``id = id_offset + index``) so that code mixing up
+"position in the dataset" and "sample id" is caught. Sharding across data-parallel replicas is
+``torch.utils.data.DistributedSampler``'s, via :func:`reference.schedule.replica_micro_batch_indices`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.case import Sample
+
+__all__ = ["SyntheticRegression"]
+
+
+class SyntheticRegression:
+    """``target = tanh(x @ W) + noise`` for ``x ~ N(0, 1)``; all values drawn once from a
+    private generator seeded with ``seed`` (the global RNG is left untouched)."""
+
+    def __init__(
+        self,
+        num_samples: int = 64,
+        in_features: int = 8,
+        out_features: int = 4,
+        *,
+        seed: int = 1234,
+        id_offset: int = 1000,
+    ):
+        g = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(num_samples, in_features, generator=g)
+        weight = torch.randn(in_features, out_features, generator=g) / in_features**0.5
+        noise = 0.1 * torch.randn(num_samples, out_features, generator=g)
+        self.targets = torch.tanh(self.inputs @ weight) + noise
+        self.id_offset = id_offset
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, index: int) -> Sample:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        index = index % len(self)
+        return Sample(id=self.id_offset + index, input=self.inputs[index], target=self.targets[index])

@@ -1,0 +1,115 @@
+"""Process-tree plumbing for rank workers: kill a whole tree, never leave an orphan."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the process that started it dies.
+
+    This is the backstop for a launcher that is itself killed (SIGKILL, OOM) and gets no
+    chance to clean up. Elsewhere it is a no-op; the control-channel EOF check still applies.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return children
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: the ppid follows the last ')'.
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) >= 2:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (children first), read from /proc."""
+    tree = _children_map()
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in tree.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group (workers lead their own session) and all descendants."""
+    victims = [pid, *descendants(pid)]
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exit code 3', 'killed by signal 11 (SIGSEGV)' or 'still running'."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-returncode} ({name})"
+    return f"exit code {returncode}"
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    """Wait until none of ``pids`` exists (zombies of our own children count as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[-1].split()[0]
+        return state != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def tail_of(path: str, limit: int = 4000) -> str:
+    """The last ``limit`` bytes of a log file, decoded; '' when it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""

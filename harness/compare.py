@@ -1,0 +1,481 @@
+"""Compare a parallel run's record with the reference's, step by step and tensor by tensor.
+
+Structure first (deepdiff of names, shapes, dtypes and optimizer hyperparameters: missing,
+extra or renamed entries), then sample ids, then values: per step the loss and micro-batch
+losses, every gradient (before the optimizer step: AdamW hides a constant gradient scale from
+the parameters, only the gradients show it), every parameter and every optimizer-state tensor,
+judged by ``torch.testing.assert_close`` under a recorded tolerance. The result is data
+(:class:`CompareResult`) for the diagnosis and the reports; nothing is raised for a mismatch.
+
+Two tensors at a time are in memory (one from each record).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from deepdiff import DeepDiff
+
+from reference.record import KINDS, Record
+from reference.trainer import NonFiniteReferenceError
+
+from .tolerance import DefaultTolerances, Tolerance, TolerancePolicy, reference_dtype
+
+__all__ = [
+    "COMPARE_KINDS",
+    "CompareResult",
+    "Divergence",
+    "SampleIssue",
+    "StructureIssue",
+    "TensorComparison",
+    "compare",
+    "compare_tensors",
+]
+
+COMPARE_KINDS: tuple[str, ...] = ("loss", *KINDS)
+
+
+@dataclass
+class TensorComparison:
+    """One tensor (or loss) at one step. ``scale`` is the least-squares factor c with
+    actual ~= c * expected (1.0 when right; 0.5 for a gradient averaged twice on 2 ranks)."""
+
+    step: int
+    kind: str
+    name: str
+    passed: bool
+    shape: tuple[int, ...]
+    dtype: str
+    max_abs: float
+    max_rel: float
+    worst_index: tuple[int, ...] | None
+    expected_at_worst: float | None
+    actual_at_worst: float | None
+    mismatched: int
+    numel: int
+    scale: float | None
+    tolerance: Tolerance
+    message: str = ""
+
+    def line(self) -> str:
+        where = f"{self.kind} {self.name} step {self.step}"
+        at = f" at {list(self.worst_index)}" if self.worst_index else ""
+        vals = (
+            f" (expected {self.expected_at_worst:.6g}, got {self.actual_at_worst:.6g})"
+            if self.expected_at_worst is not None and self.actual_at_worst is not None
+            else ""
+        )
+        verdict = "ok" if self.passed else f"MISMATCH {self.mismatched}/{self.numel}"
+        scale = f", scale {self.scale:.4g}" if self.scale is not None and not self.passed else ""
+        return (
+            f"{where}: {verdict}, max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}{at}{vals}"
+            f"{scale} [rtol {self.tolerance.rtol:g}, atol {self.tolerance.atol:.3g}, {self.tolerance.source}]"
+        )
+
+
+@dataclass
+class StructureIssue:
+    """A structural difference. ``category``: missing | extra | shape | dtype | steps |
+    param_groups | incomplete."""
+
+    category: str
+    step: int | None
+    kind: str | None
+    name: str | None
+    expected: Any = None
+    actual: Any = None
+
+    def line(self) -> str:
+        where = " ".join(
+            p for p in (f"step {self.step}" if self.step is not None else "", self.kind or "", repr(self.name) if self.name else "") if p
+        ) or "record"
+        if self.category == "steps":
+            where = "whole step" + (f" {self.step}" if self.step is not None else "")
+            return f"{where}: " + ("missing in the parallel run" if self.actual == "absent" else "not in the reference")
+        if self.category == "missing":
+            return f"{where}: missing in the parallel run"
+        if self.category == "extra":
+            return f"{where}: not in the reference"
+        return f"{where}: {self.category} differs: reference {self.expected!r}, parallel {self.actual!r}"
+
+
+@dataclass
+class SampleIssue:
+    """Sample ids of a step (or of one micro-batch) differ from the reference's."""
+
+    step: int
+    micro: int | None
+    missing: list[int]
+    extra: list[int]
+    duplicated: list[int]
+
+    def line(self) -> str:
+        where = f"step {self.step}" + (f" micro-batch {self.micro}" if self.micro is not None else "")
+        parts = [
+            f"{label} {ids[:10]}{'...' if len(ids) > 10 else ''}"
+            for label, ids in (("missing", self.missing), ("unexpected", self.extra), ("duplicated", self.duplicated))
+            if ids
+        ]
+        return f"{where}: sample ids differ: " + ", ".join(parts)
+
+
+@dataclass
+class Divergence:
+    """The earliest step where anything differs, and what differed there (in step order:
+    samples, loss, gradients, parameters, optimizer state)."""
+
+    step: int
+    entries: list[tuple[str, str]]  # (kind, name); kind "samples" / "structure" included
+
+    def line(self) -> str:
+        shown = ", ".join(f"{k} {n}" for k, n in self.entries[:6])
+        more = f" (+{len(self.entries) - 6} more)" if len(self.entries) > 6 else ""
+        return f"first divergence at step {self.step}: {shown}{more}"
+
+
+@dataclass
+class CompareResult:
+    reference: str
+    actual: str
+    label: str
+    steps: int
+    structure: list[StructureIssue] = field(default_factory=list)
+    structure_text: str = ""
+    samples: list[SampleIssue] = field(default_factory=list)
+    tensors: list[TensorComparison] = field(default_factory=list)
+    tolerance: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.structure and not self.samples and all(t.passed for t in self.tensors)
+
+    def failures(self) -> list[TensorComparison]:
+        return [t for t in self.tensors if not t.passed]
+
+    def get(self, step: int, kind: str, name: str) -> TensorComparison:
+        for t in self.tensors:
+            if (t.step, t.kind, t.name) == (step, kind, name):
+                return t
+        raise KeyError(f"no comparison for {kind} {name!r} at step {step}")
+
+    @property
+    def first_divergence(self) -> Divergence | None:
+        candidates: list[tuple[int, int, str, str]] = []
+        order = {k: i for i, k in enumerate(("structure", "samples", *COMPARE_KINDS))}
+        for s in self.structure:
+            if s.step is not None:
+                candidates.append((s.step, order["structure"], "structure", f"{s.category} {s.kind} {s.name}"))
+        for s in self.samples:
+            candidates.append((s.step, order["samples"], "samples", "ids" if s.micro is None else f"micro-batch {s.micro}"))
+        for t in self.tensors:
+            if not t.passed:
+                candidates.append((t.step, order[t.kind], t.kind, t.name))
+        if not candidates:
+            return None
+        step = min(c[0] for c in candidates)
+        at_step = sorted((c for c in candidates if c[0] == step), key=lambda c: c[1])  # stable: keeps tensor order
+        return Divergence(step, [(kind, name) for _, _, kind, name in at_step])
+
+    def summary(self, max_lines: int = 12) -> str:
+        lines = [f"{'PASS' if self.passed else 'FAIL'}: {self.label} ({self.steps} steps, {len(self.tensors)} comparisons)"]
+        div = self.first_divergence
+        if div is not None:
+            lines.append("  " + div.line())
+        if self.structure:
+            lines.append("  structure differs from the reference:")
+            grouped = self._structure_lines()
+            lines += ["    " + line for line in grouped[:max_lines]]
+            if len(grouped) > max_lines:
+                lines.append(f"    ... {len(grouped) - max_lines} more")
+        if self.samples:
+            lines.append("  sample ids:")
+            lines += ["    " + s.line() for s in self.samples[:max_lines]]
+        failures = self.failures()
+        if failures:
+            lines.append(f"  {len(failures)} tensor mismatches (earliest first):")
+            lines += ["    " + t.line() for t in failures[:max_lines]]
+            if len(failures) > max_lines:
+                lines.append(f"    ... {len(failures) - max_lines} more")
+        lines.append(f"  tolerance: {self._tolerance_line()}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _structure_lines(self) -> list[str]:
+        """One line per issue, with the steps it occurs at folded together."""
+        steps: dict[str, list[int]] = {}
+        for issue in self.structure:
+            text = StructureIssue(issue.category, None, issue.kind, issue.name, issue.expected, issue.actual).line()
+            steps.setdefault(text, []).append(issue.step if issue.step is not None else -1)
+        return [f"{text} (steps {_ranges(s)})" if s != [-1] else text for text, s in steps.items()]
+
+    def _tolerance_line(self) -> str:
+        mode = self.tolerance.get("mode", "?")
+        if mode == "calibrated":
+            return f"calibrated against {', '.join(self.tolerance.get('variants', []))} (safety x{self.tolerance.get('safety')})"
+        table = ", ".join(
+            f"{d.removeprefix('torch.')} rtol {v['rtol']:g} atol {v['atol_x_scale']:g} x max|ref|" if "atol_x_scale" in v
+            else f"{d.removeprefix('torch.')} rtol {v['rtol']:g} atol {v['atol']:g} (override)"
+            for d, v in self.tolerance.get("per_dtype", {}).items()
+        )
+        return f"{mode}: {table}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (non-finite floats as strings)."""
+        data = asdict(self)
+        data["passed"] = self.passed
+        div = self.first_divergence
+        data["first_divergence"] = asdict(div) if div else None
+        return _jsonable(data)
+
+
+def _ranges(steps: list[int]) -> str:
+    steps = sorted(set(steps))
+    spans, start = [], steps[0]
+    for prev, cur in zip(steps, steps[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(spans)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+# -- tensors -------------------------------------------------------------------------------
+
+
+def compare_tensors(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerance: Tolerance,
+    *,
+    step: int = 0,
+    kind: str = "tensor",
+    name: str = "",
+) -> TensorComparison:
+    """Compare one pair with ``torch.testing.assert_close`` and measure the errors."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"{kind} {name!r} step {step}: shapes {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    message = ""
+    try:
+        torch.testing.assert_close(
+            actual, expected, rtol=tolerance.rtol, atol=tolerance.atol, check_dtype=False,
+            check_device=False, equal_nan=False,
+        )
+        passed = True
+    except AssertionError as exc:
+        passed = False
+        message = " ".join(str(exc).split("\n")[:3])
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    diff = (a - e).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)  # NaN counts as worst
+    allowed = tolerance.atol + tolerance.rtol * e.abs()
+    rel = torch.where(e != 0, diff / e.abs(), torch.where(diff > 0, math.inf, 0.0))
+    numel = diff.numel()
+    worst_index: tuple[int, ...] | None = None
+    exp_w = act_w = None
+    if numel:
+        ratio = diff / torch.where(allowed > 0, allowed, torch.full_like(allowed, math.ulp(0.0)))
+        flat = int(torch.argmax(torch.nan_to_num(ratio, nan=math.inf, posinf=1e308)))
+        worst_index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else ()
+        exp_w, act_w = float(e.reshape(-1)[flat]), float(a.reshape(-1)[flat])
+    denom = float((e * e).sum())
+    scale = float((a * e).sum()) / denom if denom > 0 and torch.isfinite(a).all() else None
+    return TensorComparison(
+        step=step, kind=kind, name=name, passed=passed, shape=tuple(expected.shape),
+        dtype=str(expected.dtype).removeprefix("torch."),
+        max_abs=float(diff.max()) if numel else 0.0,
+        max_rel=float(rel.max()) if numel else 0.0,
+        worst_index=worst_index, expected_at_worst=exp_w, actual_at_worst=act_w,
+        mismatched=int((diff > allowed).sum()), numel=numel, scale=scale,
+        tolerance=tolerance, message=message,
+    )
+
+
+# -- structure -----------------------------------------------------------------------------
+
+
+def _structure(record: Record) -> dict[str, Any]:
+    steps: dict[int, Any] = {}
+    for s in record.steps:
+        entry: dict[str, Any] = {
+            kind: {n: {"shape": str(tuple(i.shape)), "dtype": i.dtype.removeprefix("torch.")} for n, i in s.tensors.get(kind, {}).items()}
+            for kind in KINDS
+        }
+        entry["param_groups"] = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(g.get("params", []))}
+            for g in s.param_groups
+        ]
+        steps[s.step] = entry
+    return {"steps": steps}
+
+
+def _structure_issues(diff: DeepDiff) -> list[StructureIssue]:
+    issues: list[StructureIssue] = []
+    seen: set[tuple[Any, ...]] = set()
+    for change, items in diff.tree.items():
+        for item in items:
+            path = item.path(output_format="list")
+            step = path[1] if len(path) > 1 else None
+            kind = path[2] if len(path) > 2 else None
+            removed = "removed" in change
+            if len(path) == 2:  # a whole step
+                issue = StructureIssue("steps", step, None, None,
+                                       "present" if removed else "absent", "absent" if removed else "present")
+            elif kind == "param_groups":
+                issue = StructureIssue("param_groups", step, "param_groups", None, _brief(item.t1), _brief(item.t2))
+            elif len(path) == 4:
+                issue = StructureIssue("missing" if removed else "extra", step, kind, path[3])
+            elif len(path) >= 5 and path[4] in ("shape", "dtype"):
+                issue = StructureIssue(path[4], step, kind, path[3], item.t1, item.t2)
+            else:
+                issue = StructureIssue("other", step, kind, None, _brief(item.t1), _brief(item.t2))
+            key = (issue.category, issue.step, issue.kind, issue.name)
+            if key not in seen:
+                seen.add(key)
+                issues.append(issue)
+    issues.sort(key=lambda i: (i.step if i.step is not None else -1, str(i.kind), str(i.name)))
+    return issues
+
+
+def _brief(value: Any) -> Any:
+    text = repr(value)
+    return value if len(text) <= 200 else text[:200] + "..."
+
+
+def _rename_hints(issues: Iterable[StructureIssue], expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Pair a missing entry with an extra one of the same step, kind and shape."""
+    hints = []
+    missing = [i for i in issues if i.category == "missing" and i.name and i.step == 0]
+    extra = [i for i in issues if i.category == "extra" and i.name and i.step == 0]
+    for m in missing:
+        for x in extra:
+            if m.kind == x.kind and expected["steps"][0][m.kind][m.name] == actual["steps"][0][x.kind][x.name]:
+                hints.append(f"{m.kind} {m.name!r} may have been renamed to {x.name!r}")
+    return hints[:10]
+
+
+# -- samples -------------------------------------------------------------------------------
+
+
+def _id_issue(step: int, micro: int | None, expected: list[int], actual: list[int]) -> SampleIssue | None:
+    e, a = Counter(expected), Counter(actual)
+    if e == a:
+        return None
+    over = a - e
+    return SampleIssue(
+        step=step, micro=micro,
+        missing=sorted((e - a).elements()),
+        extra=sorted(i for i in over if i not in e),
+        duplicated=sorted(i for i in over if i in e),  # consumed more often than the reference did
+    )
+
+
+# -- records -------------------------------------------------------------------------------
+
+
+def compare(
+    reference: Record,
+    actual: Record,
+    tolerance: TolerancePolicy | None = None,
+    *,
+    label: str | None = None,
+) -> CompareResult:
+    """Compare ``actual`` (a parallel run) with ``reference`` step by step.
+
+    Raises :class:`NonFiniteReferenceError` when the reference holds NaN/inf (there is then
+    nothing sound to compare against) and ``ValueError`` for an incomplete reference."""
+    policy = tolerance or DefaultTolerances()
+    if not reference.complete:
+        raise ValueError(f"reference record {reference.path} is incomplete (its training failed); retrain it")
+    _check_reference_finite(reference)
+    result = CompareResult(
+        reference=str(reference.path), actual=str(actual.path),
+        label=label or f"{actual.source} vs {reference.source}",
+        steps=reference.num_steps, tolerance=policy.describe(),
+    )
+    if reference.meta.get("dropout", {}).get("active"):
+        result.notes.append(
+            "the reference trained with dropout active "
+            f"({', '.join(reference.meta['dropout'].get('modules', []))}); values match only if "
+            "the parallel run draws the same masks"
+        )
+    if not actual.complete:
+        result.notes.append(f"the parallel run's record is incomplete (it failed after {actual.num_steps} steps)")
+
+    expected_structure, actual_structure = _structure(reference), _structure(actual)
+    diff = DeepDiff(expected_structure, actual_structure, verbose_level=2)
+    if diff:
+        result.structure = _structure_issues(diff)
+        result.structure_text = diff.pretty()
+        result.notes += _rename_hints(result.structure, expected_structure, actual_structure)
+
+    dtype = reference_dtype(reference)
+    for step in range(min(reference.num_steps, actual.num_steps)):
+        ref_s, act_s = reference.step(step), actual.step(step)
+        issue = _id_issue(step, None, ref_s.sample_ids, act_s.sample_ids)
+        if issue:
+            result.samples.append(issue)
+        elif len(ref_s.micro_sample_ids) == len(act_s.micro_sample_ids):
+            for m, (e_ids, a_ids) in enumerate(zip(ref_s.micro_sample_ids, act_s.micro_sample_ids)):
+                if (mi := _id_issue(step, m, e_ids, a_ids)) is not None:
+                    result.samples.append(mi)
+
+        # Losses (scalars kept in the record's JSON).
+        losses = [("loss", ref_s.loss, act_s.loss)]
+        if len(ref_s.micro_losses) == len(act_s.micro_losses) and len(ref_s.micro_losses) > 1:
+            losses += [(f"micro.{i}", e, a) for i, (e, a) in enumerate(zip(ref_s.micro_losses, act_s.micro_losses))]
+        for name, e, a in losses:
+            if e is None:
+                continue
+            if a is None or not isinstance(a, (int, float)):
+                result.structure.append(StructureIssue("missing", step, "loss", name))
+                continue
+            tol = policy.for_tensor(step, "loss", name, dtype, abs(float(e)))
+            result.tensors.append(
+                compare_tensors(torch.tensor(float(a), dtype=torch.float64), torch.tensor(float(e), dtype=torch.float64), tol,
+                                step=step, kind="loss", name=name)
+            )
+        for kind in KINDS:
+            act_entries = act_s.tensors.get(kind, {})
+            for name, info in ref_s.tensors.get(kind, {}).items():
+                other = act_entries.get(name)
+                if other is None or other.shape != info.shape:
+                    continue  # reported as structure
+                expected = reference.tensor(step, kind, name)
+                floating = expected.is_floating_point() and expected.numel() > 0
+                scale = float(expected.detach().double().abs().max()) if floating else 0.0
+                tol = policy.for_tensor(step, kind, name, info.torch_dtype, scale)
+                result.tensors.append(
+                    compare_tensors(actual.tensor(step, kind, name), expected, tol, step=step, kind=kind, name=name)
+                )
+    return result
+
+
+def _check_reference_finite(reference: Record) -> None:
+    for s in reference.steps:
+        if s.loss is not None and not math.isfinite(s.loss):
+            raise NonFiniteReferenceError(
+                f"reference {reference.path} has a non-finite loss ({s.loss}) at step {s.step}; "
+                "a case whose reference is not finite cannot be compared"
+            )
+        for kind, entries in s.tensors.items():
+            for name, info in entries.items():
+                if not info.finite:
+                    raise NonFiniteReferenceError(
+                        f"reference {reference.path} has NaN/inf in {kind} {name!r} at step {s.step}; "
+                        "a case whose reference is not finite cannot be compared"
+                    )

@@ -1,0 +1,585 @@
+"""Warm pools of rank workers: spawn once, run many test bodies, never hang, never orphan.
+
+A ``RankPool`` is N ``python -m harness.worker`` processes joined in one default process group
+(FileStore rendezvous: no port to race for; gloo/NCCL sockets on loopback). Every wait has a
+deadline. On a hang the pool asks each rank for its stack and its last collectives, then
+kills the whole process tree; a pool that saw a crash, hang or desync is never reused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from harness import _proc
+from harness.worker import capture_path
+from harness.protocol import (
+    HANDSHAKE_CONTROL,
+    HANDSHAKE_TASK,
+    RankDump,
+    RankResult,
+    ResetResult,
+    TestTask,
+)
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PoolStartError(RuntimeError):
+    """The ranks could not be started or could not join the process group in time."""
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    nproc: int
+    backend: str
+    device: str
+
+
+@dataclass
+class PoolConfig:
+    startup_timeout: float = 60.0
+    failure_grace: float = 3.0  # how long the other ranks get to finish once one has failed
+    dump_timeout: float = 5.0
+    reset_timeout: float = 30.0
+    pg_timeout: float = 1800.0
+
+
+@dataclass
+class RunOutcome:
+    """What happened on each rank for one test."""
+
+    nproc: int
+    results: dict[int, RankResult] = field(default_factory=dict)
+    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "killed by signal 11 (SIGSEGV)"
+    death_times: dict[int, float] = field(default_factory=dict)
+    death_logs: dict[int, str] = field(default_factory=dict)
+    timed_out: bool = False
+    timeout_s: float = 0.0
+    aborted: dict[int, RankDump | None] = field(default_factory=dict)  # killed by us, with dump
+    finished: dict[int, RankDump | None] = field(default_factory=dict)  # done when others hung
+    pool_replaced: bool = False
+    replace_reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return (
+            self.timed_out
+            or bool(self.deaths)
+            or bool(self.aborted)
+            or any(r.outcome == "failed" for r in self.results.values())
+        )
+
+    @property
+    def all_skipped(self) -> bool:
+        return len(self.results) == self.nproc and all(
+            r.outcome == "skipped" for r in self.results.values()
+        )
+
+
+class Zygote:
+    """Handle on the fork server (``harness.zygote``) that starts rank processes."""
+
+    def __init__(self, startup_timeout: float, log_path: str) -> None:
+        ours, theirs = socket.socketpair()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=_worker_base_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        theirs.close()
+        _LIVE_PIDS.add(self.proc.pid)
+        self.log_path = log_path
+        self.conn = Connection(ours.detach())
+        if not self.conn.poll(startup_timeout):
+            self.close()
+            raise PoolStartError(
+                f"the rank fork server did not start within {startup_timeout:.0f} s:\n{_tail(log_path)}"
+            )
+        try:
+            self.conn.recv()
+        except (EOFError, OSError):
+            self.close()
+            raise PoolStartError(f"the rank fork server failed to start:\n{_tail(log_path)}") from None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _ask(self, *request: Any) -> Any:
+        self.conn.send(request)
+        if not self.conn.poll(30):
+            raise PoolStartError(f"the rank fork server stopped answering:\n{_tail(self.log_path)}")
+        return self.conn.recv()[1]
+
+    def spawn(self, env: dict[str, str], log_path: str, cwd: str) -> int:
+        return int(self._ask("spawn", env, log_path, cwd))
+
+    def status(self, pid: int) -> int | None:
+        try:
+            return self._ask("status", pid)
+        except (OSError, EOFError, PoolStartError):
+            return None
+
+    def close(self) -> None:
+        self.conn.close()
+        _proc.kill_tree(self.proc.pid)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _LIVE_PIDS.discard(self.proc.pid)
+
+
+class _RankProcess:
+    """A rank's OS process, started by the fork server or by a plain spawn."""
+
+    def __init__(self, pid: int, zygote: Zygote | None = None, popen: subprocess.Popen | None = None) -> None:
+        self.pid = pid
+        self.zygote = zygote
+        self.popen = popen
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.popen is not None:
+            self.returncode = self.popen.poll()
+        elif not _proc._alive(self.pid):
+            status = self.zygote.status(self.pid) if self.zygote is not None else None
+            self.returncode = status if status is not None else -9
+        return self.returncode
+
+    def wait(self, timeout: float) -> None:
+        _proc.wait_gone([self.pid], timeout)
+        self.poll()
+
+
+def _worker_base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class _Rank:
+    def __init__(self, rank: int, proc: _RankProcess, log_path: str) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.log_path = log_path
+        self.task: Connection | None = None
+        self.control: Connection | None = None
+        try:
+            self.exit_fd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self.exit_fd = None
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def wait_handles(self) -> list[Any]:
+        handles: list[Any] = [self.task] if self.task is not None else []
+        if self.exit_fd is not None:
+            handles.append(self.exit_fd)
+        return handles
+
+
+class RankPool:
+    def __init__(self, key: PoolKey, config: PoolConfig, zygote: Zygote | None = None) -> None:
+        self.key = key
+        self.config = config
+        self.zygote = zygote
+        self.ranks: list[_Rank] = []
+        self.workdir = tempfile.mkdtemp(prefix=f"harness-pool-{key.nproc}-")
+        self.alive = False
+        self.tests_run = 0
+
+    # -- start ------------------------------------------------------------------------------
+    def start(self) -> "RankPool":
+        deadline = time.monotonic() + self.config.startup_timeout
+        token = secrets.token_bytes(16)
+        server = socket.create_server(("127.0.0.1", 0))
+        try:
+            port = server.getsockname()[1]
+            for rank in range(self.key.nproc):
+                self.ranks.append(self._spawn(rank, port, token))
+            self._accept(server, token, deadline)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            server.close()
+        try:
+            for r in self.ranks:
+                reply = self._recv(r, deadline, "joining the process group")
+                if reply[0] != "ready":
+                    raise PoolStartError(
+                        f"rank {r.rank} failed to join the {self.key.backend} process group:\n{reply[1]}"
+                    )
+        except BaseException:
+            self.close()
+            raise
+        self.alive = True
+        return self
+
+    def _spawn(self, rank: int, port: int, token: bytes) -> _Rank:
+        env = _worker_base_env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(self.key.nproc),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.key.nproc),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            HARNESS_LAUNCHER_PORT=str(port),
+            HARNESS_TOKEN=token.hex(),
+            HARNESS_BACKEND=self.key.backend,
+            HARNESS_DEVICE=self.key.device,
+            HARNESS_WORKDIR=self.workdir,
+            HARNESS_STORE_PATH=os.path.join(self.workdir, "filestore"),
+            HARNESS_PG_TIMEOUT=str(self.config.pg_timeout),
+            HARNESS_STARTUP_TIMEOUT=str(self.config.startup_timeout),
+            HARNESS_WORKER="1",
+        )
+        env.pop("MASTER_PORT", None)  # nothing listens on a fixed port here
+        # Loopback only, and no thread oversubscription when N ranks share the cores.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+        log_path = os.path.join(self.workdir, f"rank{rank}.log")
+        if self.zygote is not None:
+            proc = _RankProcess(self.zygote.spawn(env, log_path, os.getcwd()), zygote=self.zygote)
+        else:
+            with open(log_path, "wb") as log:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "harness.worker"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: killpg takes the whole tree
+                    cwd=os.getcwd(),
+                )
+            proc = _RankProcess(popen.pid, popen=popen)
+        _LIVE_PIDS.add(proc.pid)
+        return _Rank(rank, proc, log_path)
+
+    def _accept(self, server: socket.socket, token: bytes, deadline: float) -> None:
+        wanted = {(r.rank, role) for r in self.ranks for role in (HANDSHAKE_TASK, HANDSHAKE_CONTROL)}
+        while wanted:
+            self._check_started_alive("connecting to the launcher")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PoolStartError(self._startup_timeout_message("connecting to the launcher"))
+            readable, _, _ = select.select([server], [], [], min(remaining, 0.2))
+            if not readable:
+                continue
+            sock, _addr = server.accept()
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            try:
+                if not conn.poll(max(0.1, deadline - time.monotonic())):
+                    raise EOFError("no handshake")
+                hello = conn.recv_bytes(64)
+            except (OSError, EOFError):
+                conn.close()
+                continue
+            if not hello.startswith(token):
+                conn.close()  # not one of ours
+                continue
+            role, rank = hello[len(token) : len(token) + 4], int(hello[len(token) + 4 :])
+            if (rank, role) not in wanted:
+                conn.close()
+                continue
+            wanted.discard((rank, role))
+            if role == HANDSHAKE_TASK:
+                self.ranks[rank].task = conn
+            else:
+                self.ranks[rank].control = conn
+
+    def _check_started_alive(self, phase: str) -> None:
+        for r in self.ranks:
+            if r.exited():
+                raise PoolStartError(
+                    f"rank {r.rank} exited while {phase} ({_proc.describe_exit(r.proc.returncode)}).\n"
+                    f"Its output:\n{_tail(r.log_path)}"
+                )
+
+    def _startup_timeout_message(self, phase: str) -> str:
+        return (
+            f"ranks did not finish {phase} within {self.config.startup_timeout:.0f} s "
+            f"(--dist-startup-timeout). Output of rank 0:\n{_tail(self.ranks[0].log_path)}"
+        )
+
+    def _recv(self, r: _Rank, deadline: float, phase: str) -> Any:
+        assert r.task is not None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PoolStartError(self._startup_timeout_message(phase))
+            if r.task.poll(min(remaining, 0.2)):
+                try:
+                    return r.task.recv()
+                except (EOFError, OSError):
+                    pass
+            self._check_started_alive(phase)
+
+    # -- run one test -----------------------------------------------------------------------
+    def run(self, task: TestTask, timeout: float) -> RunOutcome:
+        if not self.alive:
+            raise RuntimeError("this rank pool was closed")
+        self.tests_run += 1
+        outcome = RunOutcome(nproc=self.key.nproc, timeout_s=timeout)
+        started = time.monotonic()
+        deadline = started + timeout
+        pending = {r.rank: r for r in self.ranks}
+        for r in self.ranks:
+            try:
+                assert r.task is not None
+                r.task.send(("run", task))
+            except (OSError, EOFError):
+                pass  # noticed below as a death
+        first_failure: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if first_failure is None else min(deadline, first_failure + self.config.failure_grace)
+            if now >= limit:
+                break
+            handles = [h for r in pending.values() for h in r.wait_handles()]
+            ready = wait(handles, timeout=min(limit - now, 0.5))
+            for r in list(pending.values()):
+                if r.task in ready:
+                    try:
+                        result = r.task.recv()
+                    except (EOFError, OSError):
+                        result = None
+                    if isinstance(result, RankResult):
+                        outcome.results[r.rank] = result
+                        del pending[r.rank]
+                        if result.outcome == "failed" and first_failure is None:
+                            first_failure = time.monotonic()
+                        continue
+                if r.exited() or (r.exit_fd is not None and r.exit_fd in ready):
+                    r.proc.wait(timeout=5)
+                    outcome.deaths[r.rank] = _proc.describe_exit(r.proc.returncode)
+                    outcome.death_times[r.rank] = time.monotonic()
+                    outcome.death_logs[r.rank] = (
+                        _tail(r.log_path) + _tail(capture_path(self.workdir, r.rank))
+                    )
+                    del pending[r.rank]
+                    if first_failure is None:
+                        first_failure = time.monotonic()
+        if pending:
+            outcome.timed_out = first_failure is None
+            # Every live rank, finished ones too: "rank 1 finished after all_reduce #1" is
+            # half of the story of a skipped collective.
+            dumps = self.dump([r.rank for r in self.ranks if r.rank not in outcome.deaths])
+            for rank in pending:
+                outcome.aborted[rank] = dumps.get(rank)
+            outcome.finished = {r: d for r, d in dumps.items() if r not in pending}
+            self._retire("timed out" if outcome.timed_out else "ranks aborted after a failure", outcome)
+        elif outcome.deaths:
+            self._retire("a rank died", outcome)
+        return outcome
+
+    def _retire(self, reason: str, outcome: RunOutcome) -> None:
+        outcome.pool_replaced = True
+        outcome.replace_reason = reason
+        self.close()
+
+    def dump(self, ranks: list[int]) -> dict[int, RankDump | None]:
+        """Ask ranks where they are (stack, last collectives). Collect first, then kill."""
+        dumps: dict[int, RankDump | None] = {rank: None for rank in ranks}
+        asked = []
+        for rank in ranks:
+            r = self.ranks[rank]
+            try:
+                assert r.control is not None
+                r.control.send("dump")
+                asked.append(r)
+            except (OSError, EOFError, AssertionError):
+                pass
+        deadline = time.monotonic() + self.config.dump_timeout
+        waiting = {r.control: r for r in asked if r.control is not None}
+        while waiting and time.monotonic() < deadline:
+            for conn in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                r = waiting.pop(conn)
+                try:
+                    dumps[r.rank] = conn.recv()
+                except (EOFError, OSError):
+                    pass
+        for rank, found in dumps.items():
+            if found is None:  # the control thread could not answer: faulthandler's view
+                r = self.ranks[rank]
+                try:
+                    os.kill(r.proc.pid, signal.SIGUSR1)
+                    time.sleep(0.3)
+                except ProcessLookupError:
+                    pass
+                dumps[rank] = RankDump(
+                    rank=rank,
+                    pid=r.proc.pid,
+                    state="unresponsive",
+                    stack=_tail(r.log_path),
+                    waiting_in="",
+                    user_site="",
+                )
+        return dumps
+
+    # -- between tests ----------------------------------------------------------------------
+    def reset(self) -> str:
+        """Put every rank back to a clean state; '' when done, else why the pool must go."""
+        if not self.alive:
+            return "pool already closed"
+        deadline = time.monotonic() + self.config.reset_timeout
+        for r in self.ranks:
+            try:
+                assert r.task is not None
+                r.task.send(("reset", None))
+            except (OSError, EOFError):
+                return f"rank {r.rank} is gone"
+        replies: list[ResetResult] = []
+        for r in self.ranks:
+            assert r.task is not None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not r.task.poll(remaining):
+                return f"rank {r.rank} did not finish its reset within {self.config.reset_timeout:.0f} s"
+            try:
+                replies.append(r.task.recv())
+            except (EOFError, OSError):
+                return f"rank {r.rank} died during reset"
+        bad = [f"rank {x.rank}: {x.detail}" for x in replies if not x.ok]
+        if bad:
+            return "; ".join(bad)
+        if len({x.group_count for x in replies}) > 1:
+            counts = {x.rank: x.group_count for x in replies}
+            return f"ranks created different numbers of process groups {counts}"
+        return ""
+
+    # -- stop -------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Orderly stop (destroy_process_group on every rank), with a deadline, then kill."""
+        if self.alive:
+            for r in self.ranks:
+                try:
+                    assert r.task is not None
+                    r.task.send(("shutdown", None))
+                except (OSError, EOFError, AssertionError):
+                    pass
+            _proc.wait_gone([r.proc.pid for r in self.ranks], timeout)
+        self.close()
+
+    def close(self) -> None:
+        """Kill every rank's process tree and free the pool's files. Safe to call twice."""
+        self.alive = False
+        for r in self.ranks:
+            _proc.kill_tree(r.proc.pid)
+        _proc.wait_gone([r.proc.pid for r in self.ranks], 5)
+        for r in self.ranks:
+            _LIVE_PIDS.discard(r.proc.pid)
+            for conn in (r.task, r.control):
+                if conn is not None:
+                    conn.close()
+            if r.exit_fd is not None:
+                os.close(r.exit_fd)
+                r.exit_fd = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class PoolManager:
+    """Warm pools keyed by (world size, backend, device), a few kept alive at once."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        max_pools: int = 2,
+        fresh_per_test: bool = False,
+        start_method: str = "forkserver",
+    ) -> None:
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', not {start_method!r}")
+        self.config = config
+        self.max_pools = max_pools
+        self.fresh_per_test = fresh_per_test
+        self.start_method = start_method
+        self.pools: OrderedDict[PoolKey, RankPool] = OrderedDict()
+        self.started = 0
+        self.zygote: Zygote | None = None
+        self._zygote_dir = tempfile.mkdtemp(prefix="harness-zygote-")
+
+    def _fork_server(self) -> Zygote | None:
+        if self.start_method != "forkserver":
+            return None
+        if self.zygote is None or not self.zygote.alive():
+            if self.zygote is not None:
+                self.zygote.close()
+            self.zygote = Zygote(self.config.startup_timeout, os.path.join(self._zygote_dir, "zygote.log"))
+        return self.zygote
+
+    def get(self, key: PoolKey) -> RankPool:
+        pool = self.pools.get(key)
+        if pool is not None and pool.alive:
+            self.pools.move_to_end(key)
+            return pool
+        self.pools.pop(key, None)
+        while len(self.pools) >= self.max_pools:
+            _, old = self.pools.popitem(last=False)
+            old.shutdown()
+        pool = RankPool(key, self.config, self._fork_server()).start()
+        self.started += 1
+        self.pools[key] = pool
+        return pool
+
+    def run(self, key: PoolKey, task: TestTask, timeout: float) -> RunOutcome:
+        pool = self.get(key)
+        outcome = pool.run(task, timeout)
+        if pool.alive:
+            why = "fresh pool per test requested" if self.fresh_per_test else pool.reset()
+            if why:
+                outcome.pool_replaced = True
+                outcome.replace_reason = why
+                pool.close()
+        if not pool.alive:
+            self.pools.pop(key, None)
+        return outcome
+
+    def close(self) -> None:
+        while self.pools:
+            _, pool = self.pools.popitem()
+            pool.shutdown()
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+        shutil.rmtree(self._zygote_dir, ignore_errors=True)
+
+
+def _tail(path: str, limit: int = 3000) -> str:
+    return _proc.tail_of(path, limit)
+
+
+# Backstop: whatever happens in the pytest process (Ctrl-C, an internal error), no rank outlives it.
+_LIVE_PIDS: set[int] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for pid in list(_LIVE_PIDS):
+        _proc.kill_tree(pid)

@@ -1,0 +1,379 @@
+"""pytest plugin: ``@pytest.mark.distributed`` tests run on ``--nproc`` real ranks.
+
+Registered through the ``pytest11`` entry point. Two modes:
+
+* spawn (default): the pytest process keeps warm pools of rank workers
+  (``harness.launcher``) and ships each distributed test body to them;
+* in place (under ``torchrun``: RANK, WORLD_SIZE and LOCAL_RANK set): nothing is spawned; every
+  torchrun process runs the distributed tests itself as its rank.
+
+torch is imported only when a distributed test runs, so projects that merely have the
+plugin installed pay nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+MARKER = "distributed"
+DEFAULT_NPROC = 2
+DEFAULT_TIMEOUT = 120.0
+_MARKER_KWARGS = ("nproc", "timeout")
+_SPEC_KEY = pytest.StashKey["DistSpec"]()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a world size >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a valid world size; it must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} s is not allowed; give a number of seconds > 0")
+    return value
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distributed", "multi-rank tests (parallel-harness)")
+    group.addoption(
+        "--nproc", type=_positive_int, default=DEFAULT_NPROC, metavar="N",
+        help=f"world size for @pytest.mark.distributed tests that do not fix their own (default {DEFAULT_NPROC})",
+    )
+    group.addoption(
+        "--dist-backend", choices=("auto", "gloo", "nccl"), default="auto",
+        help="process-group backend: auto = nccl on CUDA, gloo on CPU (default auto)",
+    )
+    group.addoption(
+        "--dist-device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="device per rank: auto = one GPU per rank when CUDA has at least N GPUs, else CPU",
+    )
+    group.addoption(
+        "--dist-timeout", type=_positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        help=f"per-test deadline for distributed tests (default {DEFAULT_TIMEOUT:g}); "
+        "on expiry each rank's stack and last collectives are reported and the ranks are killed",
+    )
+    group.addoption(
+        "--dist-startup-timeout", type=_positive_float, default=90.0, metavar="SECONDS",
+        help="deadline for starting ranks and joining the process group (default 90)",
+    )
+    group.addoption(
+        "--dist-failure-grace", type=_positive_float, default=3.0, metavar="SECONDS",
+        help="once one rank failed, how long the others may take to finish before they are "
+        "reported as aborted and killed (default 3)",
+    )
+    group.addoption(
+        "--dist-start-method", choices=("forkserver", "spawn"), default="forkserver",
+        help="how ranks are started: forkserver = forked from one process that imported torch "
+        "once (fast restarts); spawn = a fresh interpreter per rank (default forkserver)",
+    )
+    group.addoption(
+        "--dist-fresh-pool", action="store_true", default=False,
+        help="start fresh ranks for every test instead of reusing a warm pool (slow; for isolation)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(nproc=None, timeout=None): run the test body on nproc real ranks "
+        "(default --nproc) with the default process group initialised; timeout in seconds "
+        "overrides --dist-timeout",
+    )
+    if config.getoption("dist_backend") == "nccl" and config.getoption("dist_device") == "cpu":
+        raise pytest.UsageError(
+            "--dist-backend nccl needs --dist-device cuda (or auto); gloo is the CPU backend"
+        )
+    runner = InPlaceRunner(config) if _under_torchrun() else SpawnRunner(config)
+    config.stash[_RUNNER_KEY] = runner
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    runner = config.stash.get(_RUNNER_KEY, None)
+    if runner is not None:
+        runner.close()
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and not os.environ.get(
+        "HARNESS_WORKER"
+    )
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    nproc: int
+    timeout: float
+    backend: str
+    device: str
+
+
+def _spec_for(item: pytest.Item) -> DistSpec | None:
+    """Read and validate the distributed marker; raise a usage message for bad values."""
+    marker = item.get_closest_marker(MARKER)
+    if marker is None:
+        return None
+    config = item.config
+    where = f"@pytest.mark.{MARKER} on {item.nodeid}"
+    if marker.args:
+        raise ValueError(f"{where}: positional arguments {marker.args!r} are not allowed; use nproc=N, timeout=S")
+    unknown = sorted(set(marker.kwargs) - set(_MARKER_KWARGS))
+    if unknown:
+        raise ValueError(f"{where}: unknown argument(s) {unknown}; allowed: {list(_MARKER_KWARGS)}")
+    nproc = marker.kwargs.get("nproc")
+    if nproc is None:
+        nproc = config.getoption("nproc")
+    elif isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"{where}: nproc={nproc!r} is not allowed; it must be an integer >= 1")
+    timeout = marker.kwargs.get("timeout")
+    if timeout is None:
+        timeout = config.getoption("dist_timeout")
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{where}: timeout={timeout!r} is not allowed; give seconds > 0")
+    device = config.getoption("dist_device")
+    backend = config.getoption("dist_backend")
+    if device == "auto":
+        device = "cuda" if backend == "nccl" or _cuda_count() >= nproc else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    return DistSpec(nproc=nproc, timeout=float(timeout), backend=backend, device=device)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    try:
+        spec = _spec_for(item)
+    except ValueError as exc:
+        problem = str(exc)
+    else:
+        problem = ""
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    if spec is None:
+        return
+    item.stash[_SPEC_KEY] = spec
+    if spec.device == "cuda" and _cuda_count() < spec.nproc:
+        pytest.skip(f"needs {spec.nproc} CUDA devices (one per rank), found {_cuda_count()}")
+    item.config.stash[_RUNNER_KEY].setup(item, spec)
+
+
+@pytest.fixture
+def dist_ctx(request: pytest.FixtureRequest) -> Any:
+    """This rank's DistContext (rank, world_size, local_rank, device, backend)."""
+    spec = request.node.stash.get(_SPEC_KEY, None)
+    if spec is None:
+        pytest.fail(
+            f"{request.node.nodeid} asks for dist_ctx but is not marked @pytest.mark.{MARKER}; "
+            "mark it to run on ranks",
+            pytrace=False,
+        )
+    return request.config.stash[_RUNNER_KEY].context(spec)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    spec = pyfuncitem.stash.get(_SPEC_KEY, None)
+    if spec is None:
+        return None
+    return pyfuncitem.config.stash[_RUNNER_KEY].call(pyfuncitem, spec)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    spec = item.stash.get(_SPEC_KEY, None)
+    if spec is not None:
+        item.config.stash[_RUNNER_KEY].teardown(item, spec)
+
+
+# -- spawn mode ------------------------------------------------------------------------------
+class _RankContextPlaceholder:
+    """Stands for dist_ctx in the pytest process; each rank substitutes its own context."""
+
+    def __repr__(self) -> str:
+        return "<dist_ctx: filled in on each rank>"
+
+
+class SpawnRunner:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self._manager: Any = None
+
+    @property
+    def manager(self) -> Any:
+        if self._manager is None:
+            from harness.launcher import PoolConfig, PoolManager
+
+            self._manager = PoolManager(
+                PoolConfig(
+                    startup_timeout=self.config.getoption("dist_startup_timeout"),
+                    failure_grace=self.config.getoption("dist_failure_grace"),
+                ),
+                fresh_per_test=self.config.getoption("dist_fresh_pool"),
+                start_method=self.config.getoption("dist_start_method"),
+            )
+        return self._manager
+
+    def setup(self, item: pytest.Item, spec: DistSpec) -> None:
+        pass
+
+    def context(self, spec: DistSpec) -> Any:
+        return _RankContextPlaceholder()
+
+    def call(self, item: pytest.Function, spec: DistSpec) -> bool:
+        from harness.launcher import PoolKey, PoolStartError
+        from harness.protocol import TestTask
+
+        if item.cls is not None:
+            qualname = f"{item.cls.__qualname__}.{item.originalname}"
+        else:
+            qualname = getattr(item.obj, "__qualname__", item.originalname)
+        argnames = item._fixtureinfo.argnames
+        ctx_names = tuple(n for n in argnames if isinstance(item.funcargs[n], _RankContextPlaceholder))
+        kwargs = {n: item.funcargs[n] for n in argnames if n not in ctx_names}
+        for name, value in kwargs.items():
+            try:
+                pickle.dumps(value)
+            except Exception as exc:  # noqa: BLE001
+                pytest.fail(
+                    f"fixture or parameter {name!r} (a {type(value).__name__}) cannot be sent to "
+                    f"the ranks: {type(exc).__name__}: {exc}. Distributed test bodies receive "
+                    "only picklable values; build what you need inside the body, or return "
+                    "plain data from the fixture.",
+                    pytrace=False,
+                )
+        task = TestTask(
+            nodeid=item.nodeid,
+            module_name=item.module.__name__,
+            module_file=str(item.path),
+            qualname=qualname,
+            kwargs_pickle=pickle.dumps(kwargs),
+            ctx_argnames=ctx_names,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+        )
+        key = PoolKey(spec.nproc, spec.backend, spec.device)
+        try:
+            outcome = self.manager.run(key, task, spec.timeout)
+        except PoolStartError as exc:
+            pytest.fail(f"could not start {spec.nproc} {spec.backend} ranks: {exc}", pytrace=False)
+        for rank in sorted(outcome.results):
+            text = outcome.results[rank].stdout
+            if text:
+                item.add_report_section("call", f"output rank {rank}", text)
+        if outcome.failed:
+            from harness.rank_report import format_failure
+
+            pytest.fail(format_failure(outcome), pytrace=False)
+        if outcome.all_skipped:
+            raise pytest.skip.Exception(outcome.results[0].message, _use_item_location=True)
+        return True
+
+    def teardown(self, item: pytest.Item, spec: DistSpec) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+
+
+# -- in-place mode (torchrun) ----------------------------------------------------------------
+class InPlaceRunner:
+    """Each torchrun process is one rank: run distributed tests here, spawn nothing."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.baseline: Any = None
+        self.watchdog: threading.Timer | None = None
+        self.first_record_id = -1
+
+    def setup(self, item: pytest.Item, spec: DistSpec) -> None:
+        if spec.nproc != self.world_size:
+            pytest.skip(
+                f"needs nproc={spec.nproc} ranks but torchrun started WORLD_SIZE={self.world_size}"
+            )
+        import torch.distributed as dist
+
+        from harness import flight_recorder
+        from harness.rank_state import RankState, seed_everything
+
+        if not dist.is_initialized():
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+            if spec.device == "cuda":
+                import torch
+
+                torch.cuda.set_device(self.local_rank)
+            dist.init_process_group(spec.backend, init_method="env://")
+            self.baseline = RankState.capture()
+        self.first_record_id = flight_recorder.last_record_id()
+        seed_everything(0)
+        self.watchdog = threading.Timer(spec.timeout, self._on_timeout, args=(item.nodeid, spec.timeout))
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def _on_timeout(self, nodeid: str, timeout: float) -> None:
+        """No launcher above us to kill the ranks: report where this rank is, then exit so
+        torchrun tears the job down instead of letting CI hang."""
+        import faulthandler
+
+        from harness import flight_recorder
+
+        out = sys.__stderr__
+        print(f"\n[rank {self.rank}] TIMEOUT after {timeout:g} s in {nodeid}; last collectives:", file=out)
+        for entry in flight_recorder.read_entries(self.first_record_id)[-8:]:
+            print(f"    {flight_recorder.format_entry(entry)}", file=out)
+        print(f"[rank {self.rank}] Python stacks:", file=out)
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.flush()
+        os._exit(3)
+
+    def context(self, spec: DistSpec) -> Any:
+        from harness.context import DistContext
+
+        return DistContext(self.rank, self.world_size, self.local_rank, spec.backend, spec.device)
+
+    def call(self, item: pytest.Function, spec: DistSpec) -> None:
+        return None  # pytest calls the function itself, here, on this rank
+
+    def teardown(self, item: pytest.Item, spec: DistSpec) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+        from harness.rank_state import release_test_groups
+
+        release_test_groups()
+        if self.baseline is not None:
+            self.baseline.restore()
+
+    def close(self) -> None:
+        import sys as _sys
+
+        if "torch.distributed" in _sys.modules:
+            dist = _sys.modules["torch.distributed"]
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+_RUNNER_KEY = pytest.StashKey[Any]()

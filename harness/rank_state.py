@@ -1,0 +1,104 @@
+"""Per-rank state a test can leak into the next one, and its reset.
+
+A warm rank is reused across tests, so whatever one test changes globally (process groups,
+device meshes, RNG, deterministic flags, env vars, cwd, default dtype) is put back before the
+next. Used by the pool worker and by the in-place (torchrun) mode alike.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RankState:
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = ""
+    sys_path: list[str] = field(default_factory=list)
+    deterministic: bool = False
+    deterministic_warn_only: bool = False
+    default_dtype: torch.dtype = torch.float32
+    num_threads: int = 1
+    grad_enabled: bool = True
+    cudnn_deterministic: bool = False
+    cudnn_benchmark: bool = False
+
+    @classmethod
+    def capture(cls) -> "RankState":
+        return cls(
+            env=dict(os.environ),
+            cwd=os.getcwd(),
+            sys_path=list(sys.path),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            default_dtype=torch.get_default_dtype(),
+            num_threads=torch.get_num_threads(),
+            grad_enabled=torch.is_grad_enabled(),
+            cudnn_deterministic=torch.backends.cudnn.deterministic,
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+        )
+
+    def restore(self) -> None:
+        if dict(os.environ) != self.env:
+            os.environ.clear()
+            os.environ.update(self.env)
+        try:
+            os.chdir(self.cwd)
+        except OSError:
+            pass
+        sys.path[:] = self.sys_path
+        # Only touch what changed: the first use_deterministic_algorithms() call costs seconds.
+        if (
+            torch.are_deterministic_algorithms_enabled() != self.deterministic
+            or torch.is_deterministic_algorithms_warn_only_enabled() != self.deterministic_warn_only
+        ):
+            torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        torch.set_grad_enabled(self.grad_enabled)
+        torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank: a test that wants rank-specific streams sets its own."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % (2**32))
+
+
+def release_test_groups() -> None:
+    """Destroy every process group but the default one, and the caches that point at them."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    world = c10d.GroupMember.WORLD
+    for group in list(c10d._world.pg_map.keys()):
+        if group is not world:
+            dist.destroy_process_group(group)
+    mesh_env = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(mesh_env, "_mesh_resources", None)
+    if resources is not None and hasattr(resources, "mesh_stack"):
+        resources.mesh_stack.clear()
+    dtensor_random = sys.modules.get("torch.distributed.tensor._random")
+    if dtensor_random is not None and hasattr(dtensor_random, "_rng_tracker"):
+        dtensor_random._rng_tracker = None
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def group_count() -> int:
+    """How many process groups this rank has created so far; equal on ranks that are in step."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return int(getattr(c10d._world, "group_count", -1))

@@ -1,0 +1,179 @@
+"""Glue: train a strategy on every rank, then compare its record with the cached reference.
+
+``run_strategy(case, DDPStrategy(), dist_ctx)`` is collective and returns the same
+:class:`RunResult` on every rank, so a test is ``assert result.passed, result.summary()``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reference.cache import cached_reference
+from reference.case import Case, check_dataset
+from reference.record import Record
+from reference.schedule import global_batch_indices
+
+from .compare import CompareResult, compare
+from .rank_record import RankRecorder
+from .strategy import DistContextLike, Strategy
+from .tolerance import DefaultTolerances, TolerancePolicy, calibrate
+
+__all__ = ["RunError", "RunResult", "compare_to_reference", "resolve_tolerance", "run_strategy", "train_strategy"]
+
+TOLERANCE_MODES = ("auto", "default", "calibrated")
+
+
+class RunError(RuntimeError):
+    """The strategy could not be trained or compared (the message says why)."""
+
+
+@dataclass
+class RunResult:
+    case: str
+    strategy: str
+    world_size: int
+    comparison: CompareResult
+    reference_path: str
+    record_path: str
+
+    @property
+    def passed(self) -> bool:
+        return self.comparison.passed
+
+    def summary(self) -> str:
+        return (
+            f"{self.comparison.summary()}\n  reference record: {self.reference_path}\n"
+            f"  parallel record:  {self.record_path}"
+        )
+
+
+def train_strategy(
+    case: Case,
+    strategy: Strategy,
+    ctx: DistContextLike,
+    record_path: str | os.PathLike[str] | None,
+    *,
+    dst: int = 0,
+    check_replicas: bool = True,
+) -> Record | None:
+    """Collective: train ``case`` with ``strategy`` on every rank, recording each step.
+    Returns the record on ``dst`` (which needs ``record_path``), None elsewhere."""
+    case.validate()
+    case.check_model_factory()
+    check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
+    setup = strategy.setup(case, ctx)
+    recorder = RankRecorder(
+        record_path if ctx.rank == dst else None, case, setup.model, setup.optimizer, setup.layout,
+        source=f"strategy:{strategy.name}", dst=dst, check_replicas=check_replicas, overwrite=True,
+    )
+    torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
+    try:
+        for step in range(case.steps):
+            batches = strategy.local_batches(case, setup, step)
+            losses = strategy.forward_backward(case, setup, batches)
+            if len(losses) != len(batches):
+                raise RunError(
+                    f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses "
+                    f"for {len(batches)} micro-batches at step {step}"
+                )
+            for batch, loss in zip(batches, losses):
+                recorder.micro_batch(step, loss, batch.ids)
+            recorder.grads(step)
+            strategy.optimizer_step(case, setup)
+            recorder.after_step(step)
+            setup.optimizer.zero_grad(set_to_none=True)
+    except BaseException:
+        recorder.finish(complete=False)  # keep what was recorded
+        raise
+    return recorder.finish()
+
+
+def resolve_tolerance(
+    tolerance: str | TolerancePolicy, case: Case, reference: Record, *, cache: str | os.PathLike[str] | None = None
+) -> TolerancePolicy:
+    """``"auto"``: calibrated for 16-bit dtypes, per-dtype defaults otherwise."""
+    if not isinstance(tolerance, str):
+        return tolerance
+    if tolerance not in TOLERANCE_MODES:
+        raise RunError(f"unknown tolerance mode {tolerance!r}; allowed: {', '.join(TOLERANCE_MODES)} or a TolerancePolicy")
+    if tolerance == "calibrated" or (tolerance == "auto" and case.dtype in (torch.bfloat16, torch.float16)):
+        return calibrate(case, reference, cache=cache)
+    return DefaultTolerances()
+
+
+def compare_to_reference(
+    case: Case,
+    record: Record,
+    *,
+    tolerance: str | TolerancePolicy = "auto",
+    cache: str | os.PathLike[str] | None = None,
+    label: str | None = None,
+) -> CompareResult:
+    """Local: compare a parallel run's ``record`` of ``case`` with its (cached) reference.
+    For custom training loops that recorded with :class:`RankRecorder` themselves."""
+    reference = cached_reference(case, cache=cache)
+    policy = resolve_tolerance(tolerance, case, reference, cache=cache)
+    return compare(reference, record, policy, label=label)
+
+
+def _broadcast(obj: object, src: int) -> object:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def run_strategy(
+    case: Case,
+    strategy: Strategy,
+    ctx: DistContextLike,
+    *,
+    tolerance: str | TolerancePolicy = "auto",
+    workdir: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    steps: int | None = None,
+    dst: int = 0,
+) -> RunResult:
+    """Collective: train ``strategy`` on every rank, train (or load) the reference on ``dst``,
+    compare them there, and return the result on every rank.
+
+    ``workdir`` receives the parallel record (default: a new temporary directory); ``cache``
+    holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``)."""
+    if steps is not None:
+        case = case.replace(steps=steps)
+    if not isinstance(strategy, Strategy):
+        missing = [m for m in ("name", "setup", "local_batches", "forward_backward", "optimizer_step") if not hasattr(strategy, m)]
+        raise RunError(
+            f"{strategy!r} is not a harness.strategy.Strategy: it lacks {', '.join(missing)} "
+            "(subclass harness.strategy.StrategyBase and implement setup and forward_backward)"
+        )
+    record_path = None
+    if ctx.rank == dst:
+        base = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
+        record_path = base / f"{strategy.name}-{case.name}-w{ctx.world_size}"
+    record = train_strategy(case, strategy, ctx, record_path, dst=dst)
+    payload: tuple[str, object] = ("ok", None)
+    error: BaseException | None = None
+    if ctx.rank == dst:
+        assert record is not None
+        try:
+            label = f"{strategy.name} on {ctx.world_size} ranks vs reference, case {case.name!r}"
+            comparison = compare_to_reference(case, record, tolerance=tolerance, cache=cache, label=label)
+            payload = ("ok", RunResult(case.name, strategy.name, ctx.world_size, comparison, comparison.reference, str(record.path)))
+        except Exception as exc:  # every rank must learn of it, not only dst
+            error = exc
+            payload = ("error", f"{type(exc).__name__}: {exc}")
+    status, value = _broadcast(payload, dst)  # type: ignore[misc]
+    if error is not None:
+        raise error
+    if status == "error":
+        raise RunError(f"rank {dst} could not compare {strategy.name!r} with the reference: {value}")
+    assert isinstance(value, RunResult)
+    return value

@@ -1,0 +1,93 @@
+"""The strategy protocol: how a parallel strategy wraps the model, picks its rank's data, runs
+forward/backward and steps. The harness owns the training loop and the recording, so a
+strategy (or a deliberately buggy variant of one) is a few small methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from reference.case import Batch, Case, collate
+from reference.schedule import replica_micro_batch_indices
+
+from .rank_record import RankLayout
+
+__all__ = ["DistContextLike", "RankSetup", "Strategy", "StrategyBase"]
+
+
+@runtime_checkable
+class DistContextLike(Protocol):
+    """What a strategy needs to know about its rank (the pytest plugin's ``dist_ctx`` fits)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+@dataclass
+class RankSetup:
+    """What :meth:`Strategy.setup` returns for its rank.
+
+    ``model`` is the wrapped model (or the list of local pipeline chunks) whose parameter
+    names, once wrapper prefixes are stripped, are the reference's; ``optimizer`` steps its
+    parameters; ``layout`` says which replica/stage the rank is; ``state`` holds anything else
+    the strategy needs later (a pipeline schedule, device meshes, ...)."""
+
+    model: nn.Module | Sequence[nn.Module]
+    optimizer: torch.optim.Optimizer
+    layout: RankLayout
+    device: torch.device
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    name: str
+
+    def setup(self, case: Case, ctx: DistContextLike) -> RankSetup:
+        """Build the model with ``case.build_model`` (same weights everywhere), parallelize
+        it, and build the optimizer with ``case.build_optimizer``."""
+        ...
+
+    def local_batches(self, case: Case, setup: RankSetup, step: int) -> list[Batch]:
+        """The micro-batches this rank consumes at ``step`` (with their sample ids)."""
+        ...
+
+    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
+        """Run forward and backward over the micro-batches so that the gradients are those of
+        the mean loss over the global batch (see :meth:`Case.loss_weight`). Return each
+        micro-batch's unweighted mean loss, or None where this rank computes no loss."""
+        ...
+
+    def optimizer_step(self, case: Case, setup: RankSetup) -> None:
+        """Apply the optimizer (gradients are zeroed by the harness after recording)."""
+        ...
+
+
+class StrategyBase:
+    """Defaults shared by most strategies: data follows ``DistributedSampler`` over the
+    layout's data-parallel replicas; the optimizer step is ``optimizer.step()``."""
+
+    name = "strategy"
+
+    def local_batches(self, case: Case, setup: RankSetup, step: int) -> list[Batch]:
+        layout = setup.layout
+        return [
+            collate(case.dataset, indices, device=setup.device, dtype=case.dtype)
+            for indices in replica_micro_batch_indices(case, step, layout.dp_rank, layout.dp_size)
+        ]
+
+    def optimizer_step(self, case: Case, setup: RankSetup) -> None:
+        setup.optimizer.step()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

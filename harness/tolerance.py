@@ -1,0 +1,240 @@
+"""Tolerances: defaults per dtype, or calibrated from the reference's own numerical noise.
+
+Every comparison records which tolerance it used and why (:class:`Tolerance`).
+
+Calibration retrains the reference in mathematically equivalent ways (a float64 run from the
+same rounded start, and a run with a different micro-batch split and sample order, i.e. a
+different reduction order) and measures how far those land from the reference: that is the
+noise a correct parallel run cannot avoid. For each step and tensor kind the worst noise
+*relative to a tensor's magnitude* is taken over the tensors of that kind (so a tensor whose
+own rerun happened to be lucky is not held to a tighter bound than its siblings), applied to
+each tensor's magnitude, and multiplied by a safety factor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from reference.cache import cached_reference
+from reference.case import Case
+from reference.record import Record, dtype_from_str
+from reference.trainer import ReferenceVariant
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "CalibratedTolerances",
+    "DefaultTolerances",
+    "Tolerance",
+    "TolerancePolicy",
+    "calibrate",
+    "calibration_variants",
+    "reference_dtype",
+]
+
+# (rtol, atol) per dtype, where atol is *relative to the reference tensor's largest
+# magnitude*: rounding errors of sums scale with the values summed, so an absolute atol would be
+# blind on tiny tensors (Adam's exp_avg_sq ~ 1e-8) and too strict on large ones. float32 is
+# looser than torch.testing.assert_close's single-op default (1.3e-6) because a parallel run
+# sums the batch in another order and a few optimizer steps compound it; bf16/fp16 keep
+# torch's rtol and are meant to be used with calibration.
+DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float16: (1e-3, 1e-3),
+}
+# Below this the scale-relative atol bottoms out (all-zero tensors are compared exactly-ish).
+ABS_FLOOR: dict[torch.dtype, float] = {
+    torch.float64: 1e-15,
+    torch.float32: 1e-12,
+    torch.bfloat16: 1e-6,
+    torch.float16: 1e-7,
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What a comparison allowed: ``|actual - expected| <= atol + rtol * |expected|``."""
+
+    rtol: float
+    atol: float
+    source: str  # "default" | "calibrated" | "override"
+    reason: str
+
+
+class TolerancePolicy(Protocol):
+    def for_tensor(self, step: int, kind: str, name: str, dtype: torch.dtype, scale: float) -> Tolerance:
+        """``scale``: the reference tensor's largest magnitude."""
+        ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def _default(dtype: torch.dtype) -> tuple[float, float, float]:
+    """(rtol, scale-relative atol, absolute floor) for ``dtype``."""
+    if dtype in DEFAULT_TOLERANCES:
+        return (*DEFAULT_TOLERANCES[dtype], ABS_FLOOR[dtype])
+    if not dtype.is_floating_point:
+        return (0.0, 0.0, 0.0)
+    raise ValueError(f"no default tolerance for {dtype}; allowed: {list(DEFAULT_TOLERANCES)}")
+
+
+@dataclass
+class DefaultTolerances:
+    """Per-dtype defaults; ``overrides`` maps a dtype to ``(rtol, atol)``."""
+
+    overrides: Mapping[torch.dtype, tuple[float, float]] = field(default_factory=dict)
+
+    def for_tensor(self, step: int, kind: str, name: str, dtype: torch.dtype, scale: float) -> Tolerance:
+        if dtype in self.overrides:
+            rtol, atol = self.overrides[dtype]
+            return Tolerance(rtol, atol, "override", f"user override for {dtype}: rtol {rtol:g}, atol {atol:g}")
+        if not dtype.is_floating_point:
+            return Tolerance(0.0, 0.0, "default", f"{dtype} is exact: equality required")
+        rtol, rel_atol, floor = _default(dtype)
+        atol = max(floor, rel_atol * scale)
+        return Tolerance(
+            rtol, atol, "default",
+            f"per-dtype default for {dtype}: rtol {rtol:g}, atol {rel_atol:g} x max|reference| {scale:.3g} (floor {floor:g})",
+        )
+
+    def describe(self) -> dict[str, Any]:
+        table = {str(d): {"rtol": r, "atol_x_scale": a} for d, (r, a) in DEFAULT_TOLERANCES.items()}
+        table.update({str(d): {"rtol": r, "atol": a} for d, (r, a) in self.overrides.items()})
+        return {"mode": "default", "per_dtype": table}
+
+
+@dataclass
+class CalibratedTolerances:
+    """Tolerances from measured noise: ``noise[(step, kind, name)] = (max abs noise, scale)``
+    where scale is the reference tensor's max magnitude."""
+
+    noise: dict[tuple[int, str, str], tuple[float, float]]
+    variants: list[str]
+    safety: float = 4.0
+
+    def __post_init__(self) -> None:
+        self._relative: dict[tuple[int, str], float] = {}
+        for (step, kind, _), (abs_noise, scale) in self.noise.items():
+            rel = abs_noise / scale if scale > 0 else 0.0
+            self._relative[(step, kind)] = max(self._relative.get((step, kind), 0.0), rel)
+
+    def for_tensor(self, step: int, kind: str, name: str, dtype: torch.dtype, scale: float) -> Tolerance:
+        key = (step, kind, name)
+        if not dtype.is_floating_point or key not in self.noise:
+            fallback = DefaultTolerances().for_tensor(step, kind, name, dtype, scale)
+            return Tolerance(fallback.rtol, fallback.atol, fallback.source, f"not calibrated; {fallback.reason}")
+        rtol, _, floor = _default(dtype)
+        abs_noise, _ = self.noise[key]
+        rel = self._relative.get((step, kind), 0.0)
+        measured = max(abs_noise, rel * scale)
+        atol = max(floor, self.safety * measured)
+        why = (
+            f"calibrated: {self.safety:g} x max(own noise {abs_noise:.3g}, worst {kind} noise "
+            f"{rel:.3g} x scale {scale:.3g}) against {', '.join(self.variants)}; floor {floor:g}; "
+            f"rtol {rtol:g} ({dtype} default)"
+        )
+        return Tolerance(rtol, atol, "calibrated", why)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": "calibrated",
+            "variants": self.variants,
+            "safety": self.safety,
+            "relative_noise": {f"{s}:{k}": v for (s, k), v in sorted(self._relative.items())},
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "variants": self.variants,
+            "safety": self.safety,
+            "noise": [[s, k, n, a, sc] for (s, k, n), (a, sc) in self.noise.items()],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "CalibratedTolerances":
+        return cls(
+            noise={(int(s), k, n): (float(a), float(sc)) for s, k, n, a, sc in data["noise"]},
+            variants=list(data["variants"]),
+            safety=float(data["safety"]),
+        )
+
+
+def calibration_variants(case: Case) -> list[ReferenceVariant]:
+    """The equivalent reruns used to measure noise: float64 from the same rounded start, and
+    a different reduction order (twice the micro-batches where the batch allows it, each fed
+    in reverse)."""
+    variants = [ReferenceVariant(upcast=torch.float64)] if case.dtype != torch.float64 else []
+    doubled = case.micro_batches * 2
+    micro = doubled if case.global_batch_size % doubled == 0 else None
+    variants.append(ReferenceVariant(micro_batches=micro, reverse=True))
+    return variants
+
+
+def _variant_label(v: ReferenceVariant) -> str:
+    if v.upcast is not None:
+        return f"{str(v.upcast).removeprefix('torch.')} rerun"
+    return "reordered reduction" + (f" ({v.micro_batches} micro-batches, reversed)" if v.micro_batches else " (reversed)")
+
+
+def _loss_entries(record: Record, step: int, with_micro: bool) -> dict[str, float | None]:
+    s = record.step(step)
+    entries: dict[str, float | None] = {"loss": s.loss}
+    if with_micro:
+        entries.update({f"micro.{i}": v for i, v in enumerate(s.micro_losses)})
+    return entries
+
+
+def _measure(reference: Record, other: Record, same_micro: bool, noise: dict[tuple[int, str, str], tuple[float, float]]) -> None:
+    def add(key: tuple[int, str, str], abs_noise: float, scale: float) -> None:
+        old = noise.get(key, (0.0, scale))
+        noise[key] = (max(old[0], abs_noise), scale)
+
+    for step in range(min(reference.num_steps, other.num_steps)):
+        ref_loss = _loss_entries(reference, step, True)
+        other_loss = _loss_entries(other, step, same_micro)
+        for name, value in ref_loss.items():
+            if value is None:
+                continue
+            if name in other_loss and other_loss[name] is not None:
+                add((step, "loss", name), abs(float(other_loss[name]) - value), abs(value))
+            else:
+                add((step, "loss", name), 0.0, abs(value))
+        for kind in ("grad", "param", "optim"):
+            other_names = set(other.step(step).names(kind))
+            for name in reference.step(step).names(kind):
+                ref = reference.tensor(step, kind, name).double()
+                scale = float(ref.abs().max()) if ref.numel() else 0.0
+                if name not in other_names:
+                    add((step, kind, name), 0.0, scale)
+                    continue
+                diff = (other.tensor(step, kind, name).double() - ref).abs()
+                add((step, kind, name), float(diff.max()) if diff.numel() else 0.0, scale)
+
+
+def calibrate(
+    case: Case,
+    reference: Record,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    device: torch.device | str = "cpu",
+    variants: Sequence[ReferenceVariant] | None = None,
+    safety: float = 4.0,
+) -> CalibratedTolerances:
+    """Measure ``reference``'s numerical noise by retraining ``case`` in equivalent ways (cached
+    like the reference) and turn it into per-tensor tolerances."""
+    variants = list(variants) if variants is not None else calibration_variants(case)
+    noise: dict[tuple[int, str, str], tuple[float, float]] = {}
+    for variant in variants:
+        other = cached_reference(case, cache=cache, device=device, variant=variant)
+        _measure(reference, other, variant.micro_batches in (None, case.micro_batches), noise)
+    return CalibratedTolerances(noise, [_variant_label(v) for v in variants], safety)
+
+
+def reference_dtype(record: Record) -> torch.dtype:
+    return dtype_from_str(str(record.meta.get("dtype", "torch.float32")))

@@ -1,0 +1,102 @@
+"""Fork server for rank workers: pay the torch import once per pytest process, not per rank.
+
+Importing torch costs 2-3 s of CPU per process; a pool of 4 ranks on 2 cores took ~12 s to
+start. The zygote imports torch (without touching CUDA or starting compute threads) and then
+forks each rank on request, so a pool (re)start after a crash or hang costs milliseconds.
+Each forked rank leads its own session, so the launcher can still kill its whole tree.
+
+Run as ``python -m harness.zygote FD``, FD being its end of a socketpair with the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+
+from harness import _proc
+
+
+def _child(conn: Connection, env: dict[str, str], log_path: str, cwd: str) -> None:
+    try:
+        os.setsid()
+        conn.close()
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        from harness import worker
+
+        worker.main()
+    finally:
+        os._exit(1)
+
+
+def _reap(statuses: dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        statuses[pid] = os.waitstatus_to_exitcode(status)
+
+
+def main() -> None:
+    _proc.die_with_parent()
+    conn = Connection(int(sys.argv[1]))
+    # What every rank needs, imported once here and inherited by fork.
+    import _pytest._code  # noqa: F401
+    import _pytest.assertion.rewrite  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import harness.flight_recorder  # noqa: F401
+    import harness.rank_state  # noqa: F401
+    import harness.worker  # noqa: F401
+
+    statuses: dict[int, int] = {}
+    children: set[int] = set()
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            if not conn.poll(1.0):
+                _reap(statuses)
+                continue
+            kind, *args = conn.recv()
+        except (EOFError, OSError):
+            break
+        _reap(statuses)
+        if kind == "spawn":
+            env, log_path, cwd = args
+            pid = os.fork()
+            if pid == 0:
+                _child(conn, env, log_path, cwd)
+            children.add(pid)
+            statuses.pop(pid, None)  # a reused pid must not inherit an old child's status
+            conn.send(("spawned", pid))
+        elif kind == "status":
+            (pid,) = args
+            if pid not in statuses and pid in children:
+                # The launcher saw it exit: its status is a moment away at most.
+                deadline = time.monotonic() + 2.0
+                while pid not in statuses and time.monotonic() < deadline:
+                    _reap(statuses)
+                    time.sleep(0.01)
+            conn.send(("status", statuses.get(pid)))
+    # The launcher is gone: nothing of ours may outlive it.
+    for pid in children:
+        _proc.kill_tree(pid)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Reference records cached on disk, keyed by a stable hash of the case.
+
+The key covers what decides the reference's numbers: the case's numbers, the initial weights
+and the source of the model's own module classes, the samples the run consumes, the
+optimizer's class and hyperparameters, the loss function's source, the device, the variant and
+the torch version. Strategies that share a case therefore share one reference training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import record as _record
+from .case import Case, callable_name
+from .record import Record, RecordError
+from .schedule import global_batch_indices
+from .trainer import ReferenceVariant, train_reference
+
+__all__ = ["cache_dir", "cached_reference", "case_fingerprint"]
+
+CACHE_ENV = "HARNESS_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """``$HARNESS_CACHE_DIR`` or ``./.harness_cache`` (git-ignored)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.cwd() / ".harness_cache")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return str(t.dtype).encode() + t.view(torch.uint8).numpy().tobytes()
+
+
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return callable_name(obj)
+
+
+def _callable_key(fn: Any) -> str:
+    import functools
+
+    if isinstance(fn, functools.partial):
+        return repr((_callable_key(fn.func), [repr(a) for a in fn.args], sorted((k, repr(v)) for k, v in fn.keywords.items())))
+    module = getattr(fn, "__module__", "") or ""
+    # torch's own functions are identified by name; user code by its source.
+    return callable_name(fn) if module.startswith("torch") else _source(fn)
+
+
+def case_fingerprint(
+    case: Case, *, device: torch.device | str = "cpu", variant: ReferenceVariant | None = None
+) -> str:
+    """A hex sha256 that changes whenever the reference's numbers could change."""
+    h = hashlib.sha256()
+
+    def add(label: str, data: bytes | str) -> None:
+        h.update(label.encode() + b"\0")
+        h.update(data.encode() if isinstance(data, str) else data)
+        h.update(b"\0")
+
+    add("record", str(_record.RECORD_VERSION))
+    add("torch", torch.__version__)
+    add("case", json.dumps(case.describe(), sort_keys=True))
+    add("device", str(torch.device(device)))
+    add("variant", json.dumps((variant or ReferenceVariant()).describe(), sort_keys=True))
+    model = case.build_model(device="cpu")
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        if not cls.__module__.startswith("torch"):
+            add("module-class", _source(cls))
+    for name, value in model.state_dict().items():
+        add("init:" + name, _tensor_bytes(value))
+    optimizer = case.build_optimizer(model.parameters())
+    add("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    add("optimizer-defaults", json.dumps(optimizer.defaults, sort_keys=True, default=repr))
+    add("loss", _callable_key(case.loss_fn))
+    for step in range(case.steps):
+        for index in global_batch_indices(case, step):
+            sample = case.dataset[index]
+            add("sample", f"{index}:{getattr(sample, 'id', None)}")
+            for part in ("input", "target"):
+                value = getattr(sample, part, None)
+                if isinstance(value, torch.Tensor):
+                    add(part, _tensor_bytes(value))
+    return h.hexdigest()
+
+
+def cached_reference(
+    case: Case,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    device: torch.device | str = "cpu",
+    variant: ReferenceVariant | None = None,
+    refresh: bool = False,
+) -> Record:
+    """The reference record of ``case``, trained once and then loaded from the cache.
+
+    Safe when several processes ask at once: each trains into its own staging directory and
+    the first to finish publishes; the others load that record."""
+    case.validate()
+    fingerprint = case_fingerprint(case, device=device, variant=variant)
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.name)[:60] or "case"
+    path = Path(cache or cache_dir()) / "reference" / f"{slug}-{fingerprint[:20]}"
+    if not refresh:
+        try:
+            existing = Record.load(path)
+        except RecordError:
+            existing = None
+        if existing is not None and existing.complete and existing.meta.get("fingerprint") == fingerprint:
+            return existing
+    overwrite = refresh or path.exists()
+    try:
+        return train_reference(
+            case, path, device=device, variant=variant, overwrite=overwrite,
+            meta={"fingerprint": fingerprint},
+        )
+    except RecordError as exc:
+        # Another process may have published the same record while we trained: use theirs.
+        try:
+            existing = Record.load(path)
+        except RecordError:
+            raise exc from None
+        if existing.complete and existing.meta.get("fingerprint") == fingerprint:
+            return existing
+        raise

@@ -1,0 +1,381 @@
+"""The record format shared by the single-device reference and the parallel rank runs.
+
+A record is a directory::
+
+    meta.json                          format, source, case, ranks, per-step losses, sample ids,
+                                       optimizer param groups and an index of every tensor
+    steps/0000/grad/<name>.pt          full gradient just before the optimizer step
+    steps/0000/param/<name>.pt         full parameter just after it
+    steps/0000/optim/<param>.<key>.pt  full optimizer state just after it
+
+Tensors are written with ``torch.save`` one file each and read back with
+``torch.load(weights_only=True)``, so a reader holds one tensor at a time. A record is written
+into a staging directory and renamed into place when finished, so a reader never sees half a
+record; a run that fails part way is still finished with ``complete: false``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "KINDS",
+    "RECORD_FORMAT",
+    "RECORD_VERSION",
+    "Record",
+    "RecordError",
+    "RecordWriter",
+    "StepRecord",
+    "TensorInfo",
+    "dtype_from_str",
+    "optim_state_name",
+    "optimizer_param_groups",
+    "optimizer_state_items",
+    "split_optim_state_name",
+]
+
+RECORD_FORMAT = "harness-record"
+RECORD_VERSION = 1
+KINDS: tuple[str, ...] = ("grad", "param", "optim")
+"""Tensor kinds in a step, in the order they happen: gradients before the optimizer step,
+parameters and optimizer state after it."""
+
+
+class RecordError(RuntimeError):
+    """A record directory is missing, malformed, or used inconsistently."""
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """``"torch.float32"`` or ``"float32"`` -> ``torch.float32``."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise RecordError(f"unknown dtype {name!r} in record")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+    finite: bool
+    file: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_str(self.dtype)
+
+
+@dataclass
+class StepRecord:
+    """Everything a step recorded except the tensor values (those stay on disk).
+
+    ``sample_ids`` are the ids of the step's global batch in micro-batch order;
+    ``micro_sample_ids[m]`` those of micro-batch ``m``. ``rank_sample_ids`` (parallel runs
+    only) maps a rank to the ids it consumed per micro-batch. ``param_groups`` holds the
+    optimizer's hyperparameters with parameter names instead of tensors."""
+
+    step: int
+    loss: float | None = None
+    micro_losses: list[float] = field(default_factory=list)
+    sample_ids: list[int] = field(default_factory=list)
+    micro_sample_ids: list[list[int]] = field(default_factory=list)
+    rank_sample_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    tensors: dict[str, dict[str, TensorInfo]] = field(
+        default_factory=lambda: {kind: {} for kind in KINDS}
+    )
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def names(self, kind: str) -> list[str]:
+        _check_kind(kind)
+        return list(self.tensors.get(kind, {}))
+
+    def structure(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{kind: {name: {"shape": [...], "dtype": "..."}}}`` for structural diffs."""
+        return {
+            kind: {n: {"shape": list(i.shape), "dtype": i.dtype} for n, i in entries.items()}
+            for kind, entries in self.tensors.items()
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["rank_sample_ids"] = {str(k): v for k, v in self.rank_sample_ids.items()}
+        data["tensors"] = {
+            kind: {n: {**asdict(i), "shape": list(i.shape)} for n, i in entries.items()}
+            for kind, entries in self.tensors.items()
+        }
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "StepRecord":
+        return cls(
+            step=int(data["step"]),
+            loss=data.get("loss"),
+            micro_losses=list(data.get("micro_losses", [])),
+            sample_ids=list(data.get("sample_ids", [])),
+            micro_sample_ids=[list(m) for m in data.get("micro_sample_ids", [])],
+            rank_sample_ids={
+                int(k): [list(m) for m in v] for k, v in data.get("rank_sample_ids", {}).items()
+            },
+            param_groups=list(data.get("param_groups", [])),
+            tensors={
+                kind: {
+                    n: TensorInfo(
+                        shape=tuple(i["shape"]), dtype=i["dtype"], finite=i["finite"], file=i["file"]
+                    )
+                    for n, i in entries.items()
+                }
+                for kind, entries in data.get("tensors", {}).items()
+            },
+            extra=dict(data.get("extra", {})),
+        )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise RecordError(f"unknown tensor kind {kind!r}; allowed: {', '.join(KINDS)}")
+
+
+def _file_name(name: str) -> str:
+    if not name:
+        raise RecordError("tensor name must not be empty")
+    # Percent-encoding keeps any name (even with '/') a single, reversible file name.
+    return urllib.parse.quote(name, safe="._-") + ".pt"
+
+
+class Record:
+    """A finished record on disk. Tensor values are loaded on demand, one at a time."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], steps: list[StepRecord]):
+        self.path = path
+        self.meta = meta
+        self.steps = steps
+
+    # -- loading ----------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Record":
+        path = Path(path)
+        meta_file = path / "meta.json"
+        if not meta_file.is_file():
+            raise RecordError(f"{path} is not a record: {meta_file.name} is missing")
+        try:
+            meta = json.loads(meta_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise RecordError(f"{meta_file} is not valid JSON: {exc}") from None
+        if meta.get("format") != RECORD_FORMAT:
+            raise RecordError(f"{path}: format is {meta.get('format')!r}, expected {RECORD_FORMAT!r}")
+        if meta.get("version") != RECORD_VERSION:
+            raise RecordError(
+                f"{path}: record version {meta.get('version')!r} is not supported "
+                f"(this harness reads version {RECORD_VERSION})"
+            )
+        steps = [StepRecord.from_json(s) for s in meta.pop("steps", [])]
+        return cls(path, meta, steps)
+
+    # -- access -----------------------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        return str(self.meta.get("source", "?"))
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.meta.get("complete", False))
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def losses(self) -> list[float | None]:
+        return [s.loss for s in self.steps]
+
+    def step(self, step: int) -> StepRecord:
+        if not 0 <= step < len(self.steps):
+            raise RecordError(f"{self.path}: no step {step} (record has {len(self.steps)} steps)")
+        return self.steps[step]
+
+    def info(self, step: int, kind: str, name: str) -> TensorInfo:
+        _check_kind(kind)
+        entries = self.step(step).tensors.get(kind, {})
+        if name not in entries:
+            raise RecordError(f"{self.path}: step {step} has no {kind} tensor {name!r}")
+        return entries[name]
+
+    def tensor(self, step: int, kind: str, name: str) -> torch.Tensor:
+        """Load one tensor (on CPU)."""
+        info = self.info(step, kind, name)
+        return torch.load(self.path / info.file, map_location="cpu", weights_only=True)
+
+    def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.step(step).names(kind):
+            yield name, self.tensor(step, kind, name)
+
+    def __repr__(self) -> str:
+        return f"Record({str(self.path)!r}, source={self.source!r}, steps={self.num_steps})"
+
+
+class RecordWriter:
+    """Writes a record tensor by tensor; :meth:`finish` publishes it atomically at ``path``."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], meta: Mapping[str, Any], *, overwrite: bool = False
+    ):
+        self.path = Path(path)
+        if self.path.exists() and not overwrite:
+            raise RecordError(f"record {self.path} already exists (pass overwrite=True to replace it)")
+        self.overwrite = overwrite
+        self.meta: dict[str, Any] = {
+            "format": RECORD_FORMAT,
+            "version": RECORD_VERSION,
+            "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **meta,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._staging = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}"
+        self._staging.mkdir()
+        self._steps: dict[int, StepRecord] = {}
+        self._done = False
+
+    def step(self, step: int) -> StepRecord:
+        """The step's metadata, created on first use; set its fields directly."""
+        if step < 0:
+            raise RecordError(f"step must be >= 0, got {step}")
+        if step not in self._steps:
+            self._steps[step] = StepRecord(step=step)
+        return self._steps[step]
+
+    def add_tensor(self, step: int, kind: str, name: str, tensor: torch.Tensor) -> TensorInfo:
+        """Save one full tensor. Views are copied so only their own elements are written."""
+        _check_kind(kind)
+        if self._done:
+            raise RecordError(f"record {self.path} is already finished")
+        if not isinstance(tensor, torch.Tensor) or _is_dtensor(tensor):
+            raise RecordError(
+                f"{kind} {name!r} at step {step}: records hold plain full tensors, got "
+                f"{type(tensor).__name__} (gather it first with harness.gather)"
+            )
+        entries = self.step(step).tensors.setdefault(kind, {})
+        if name in entries:
+            raise RecordError(f"{kind} {name!r} recorded twice at step {step}")
+        rel = Path("steps") / f"{step:04d}" / kind / _file_name(name)
+        (self._staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        torch.save(data, self._staging / rel)
+        finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
+        info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
+        entries[name] = info
+        return info
+
+    def finish(self, *, complete: bool = True) -> Record:
+        """Write ``meta.json`` and move the record into place."""
+        if self._done:
+            raise RecordError(f"record {self.path} is already finished")
+        expected = list(range(len(self._steps)))
+        if sorted(self._steps) != expected:
+            raise RecordError(f"record {self.path}: steps {sorted(self._steps)} are not 0..n-1")
+        steps = [self._steps[i] for i in expected]
+        meta = {**self.meta, "complete": complete, "steps": [s.to_json() for s in steps]}
+        (self._staging / "meta.json").write_text(json.dumps(meta, indent=1, default=_json_default))
+        if self.path.exists():
+            if not self.overwrite:
+                self.abort()
+                raise RecordError(f"record {self.path} appeared while writing (another writer?)")
+            shutil.rmtree(self.path)
+        os.replace(self._staging, self.path)
+        self._done = True
+        return Record.load(self.path)
+
+    def abort(self) -> None:
+        """Discard the staging directory (nothing is published)."""
+        self._done = True
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, Path):
+        return str(value)
+    return repr(value)
+
+
+def optimizer_param_groups(
+    optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]
+) -> list[dict[str, Any]]:
+    """The optimizer's param groups as JSON-able dicts, parameters replaced by their names
+    (``param_names`` maps ``id(param)`` to its reference name; unknown ones become ``"?"``)."""
+    groups = []
+    for group in optimizer.param_groups:
+        entry: dict[str, Any] = {}
+        for key, value in group.items():
+            if key == "params":
+                entry["params"] = [param_names.get(id(p), "?") for p in value]
+            elif isinstance(value, (bool, int, float, str)) or value is None:
+                entry[key] = value
+            elif isinstance(value, Sequence) and all(isinstance(v, (int, float)) for v in value):
+                entry[key] = list(value)
+            elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                entry[key] = value.item()
+            else:
+                entry[key] = repr(value)
+        groups.append(entry)
+    return groups
+
+
+def optim_state_name(param_name: str, key: str) -> str:
+    """Name of one optimizer-state tensor in a record: ``"<param>.<state key>"``."""
+    return f"{param_name}.{key}"
+
+
+def split_optim_state_name(name: str) -> tuple[str, str]:
+    """``"fc1.weight.exp_avg"`` -> ``("fc1.weight", "exp_avg")`` (state keys have no dots)."""
+    param, _, key = name.rpartition(".")
+    return param, key
+
+
+def optimizer_state_items(
+    optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The optimizer's per-parameter state as ``(record name, tensor)``, in parameter order.
+
+    Python numbers (some optimizers keep ``step`` as an int) become 0-d tensors; ``None``
+    entries (e.g. SGD's momentum buffer without momentum) are skipped. Values may be DTensors
+    here: gathering them is the caller's job."""
+    for param_name, param in named_params:
+        state = optimizer.state.get(param)  # type: ignore[call-overload]
+        if not state:
+            continue
+        for key in sorted(state):
+            value = state[key]
+            if value is None:
+                continue
+            if isinstance(value, (bool, int, float)):
+                value = torch.tensor(value)
+            if isinstance(value, torch.Tensor):
+                yield optim_state_name(param_name, key), value

@@ -1,0 +1,196 @@
+"""The single-device reference trainer: what a correct parallel run must reproduce.
+
+It follows the batch schedule of :mod:`reference.schedule` (the global batch of every step, in
+the same micro-batches a parallel run's replicas use together) and the same accumulation
+semantics: each micro-batch's mean loss is weighted by its share of the global batch, so the
+step's gradient is that of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .case import Case, CaseError, check_dataset, collate
+from .record import (
+    Record,
+    RecordWriter,
+    optimizer_param_groups,
+    optimizer_state_items,
+)
+from .schedule import global_batch_indices, micro_batch_indices
+
+__all__ = [
+    "NonFiniteReferenceError",
+    "ReferenceVariant",
+    "dropout_info",
+    "train_reference",
+]
+
+
+class NonFiniteReferenceError(CaseError):
+    """The reference itself produced NaN/inf, so there is nothing sound to compare against."""
+
+
+@dataclass(frozen=True)
+class ReferenceVariant:
+    """A mathematically equivalent way to train the same case, used to measure the
+    reference's own numerical noise (see :mod:`harness.tolerance`).
+
+    - ``upcast``: start from the case-dtype weights and inputs, then compute in this dtype
+      (e.g. float64: the "exact" answer for the case's starting point).
+    - ``micro_batches``: split each global batch into this many micro-batches instead.
+    - ``reverse``: feed each micro-batch's samples in reverse order (changes the order of the
+      batch-dimension reductions, not their result in exact arithmetic).
+    """
+
+    upcast: torch.dtype | None = None
+    micro_batches: int | None = None
+    reverse: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["upcast"] = str(self.upcast) if self.upcast is not None else None
+        return data
+
+
+def dropout_info(model: nn.Module) -> dict[str, Any]:
+    """Which dropout modules are active (p > 0 in training mode)."""
+    active = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0 and module.training
+    ]
+    return {"active": bool(active), "modules": active}
+
+
+def _check_finite(finite: bool, step: int, kind: str, name: str, case: Case) -> None:
+    if not finite:
+        raise NonFiniteReferenceError(
+            f"case {case.name!r}: the reference produced NaN/inf in {kind} {name!r} at step "
+            f"{step}; a case whose reference is not finite cannot be compared (lower the "
+            "learning rate, check the loss or the data)"
+        )
+
+
+def train_reference(
+    case: Case,
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str = "cpu",
+    variant: ReferenceVariant | None = None,
+    overwrite: bool = False,
+    meta: Mapping[str, Any] | None = None,
+) -> Record:
+    """Train ``case`` on one device and write its record at ``path``.
+
+    Raises :class:`CaseError` for a case that cannot be compared (non-deterministic model
+    factory, dataset without ids) and :class:`NonFiniteReferenceError` when the reference
+    goes NaN/inf; in that case the steps recorded so far are kept with ``complete: false``.
+    """
+    variant = variant or ReferenceVariant()
+    case.validate()
+    case.check_model_factory()
+    used = [i for s in range(case.steps) for i in global_batch_indices(case, s)]
+    check_dataset(case.dataset, sorted(set(used)))
+
+    device = torch.device(device)
+    model = case.build_model(device)
+    if variant.upcast is not None:
+        model = model.to(variant.upcast)
+    writer = RecordWriter(
+        path,
+        {
+            "source": "reference",
+            "case": case.describe(),
+            "device": str(device),
+            "dtype": str(variant.upcast or case.dtype),
+            "variant": variant.describe(),
+            "world_size": 1,
+            "dropout": dropout_info(model),
+            **(meta or {}),
+        },
+        overwrite=overwrite,
+    )
+    run = _Training(case, variant, model, case.build_optimizer(model.parameters()), writer, device)
+    torch.manual_seed(case.seed)  # the training RNG (dropout) starts from the case seed
+    try:
+        for step in range(case.steps):
+            run.step(step)
+    except BaseException:
+        # A failed run still publishes the steps it recorded (nothing recorded is lost).
+        try:
+            writer.finish(complete=False)
+        except Exception:
+            writer.abort()
+        raise
+    return writer.finish(complete=True)
+
+
+class _Training:
+    """One reference training run, step by step, writing into ``writer``."""
+
+    def __init__(
+        self,
+        case: Case,
+        variant: ReferenceVariant,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        writer: RecordWriter,
+        device: torch.device,
+    ):
+        self.case = case
+        self.schedule = case.replace(micro_batches=variant.micro_batches) if variant.micro_batches else case
+        self.variant = variant
+        self.model = model
+        self.optimizer = optimizer
+        self.writer = writer
+        self.device = device
+        self.dtype = variant.upcast or case.dtype
+        self.named = list(model.named_parameters())
+        self.param_names = {id(p): n for n, p in self.named}
+
+    def step(self, step: int) -> None:
+        case, rec = self.case, self.writer.step(step)
+        weighted = 0.0
+        for indices in micro_batch_indices(self.schedule, step):
+            if self.variant.reverse:
+                indices = indices[::-1]
+            batch = collate(case.dataset, indices, device=self.device, dtype=case.dtype)
+            loss = case.loss_fn(self.model(self._cast(batch.inputs)), self._cast(batch.targets))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise CaseError(
+                    f"case {case.name!r}: loss_fn must return a scalar tensor (the mean over the "
+                    f"micro-batch), got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+                )
+            (loss * case.loss_weight(len(batch))).backward()
+            rec.micro_losses.append(loss.detach().item())
+            rec.micro_sample_ids.append(list(batch.ids))
+            rec.sample_ids.extend(batch.ids)
+            weighted += rec.micro_losses[-1] * len(batch)
+        rec.loss = weighted / case.global_batch_size
+        _check_finite(math.isfinite(rec.loss), step, "loss", "loss", case)
+
+        for name, param in self.named:
+            if param.grad is not None:
+                self._add(step, "grad", name, param.grad)
+        self.optimizer.step()
+        for name, param in self.named:
+            self._add(step, "param", name, param)
+        for name, value in optimizer_state_items(self.optimizer, self.named):
+            self._add(step, "optim", name, value)
+        rec.param_groups = optimizer_param_groups(self.optimizer, self.param_names)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _add(self, step: int, kind: str, name: str, tensor: torch.Tensor) -> None:
+        _check_finite(self.writer.add_tensor(step, kind, name, tensor).finite, step, kind, name, self.case)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        # Inputs are rounded to the case dtype first, so an upcast run starts from the same values.
+        return t.to(self.dtype) if t.is_floating_point() else t

@@ -1,0 +1,427 @@
+"""The pytest plugin on real gloo ranks, driven through pytester in fresh pytest processes.
+
+Each scenario is a small test file run by a child pytest; we assert on its outcomes and on
+the report text a user would read. Child runs carry a unique marker in their environment so
+that leftover rank processes can be found afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from tests._procs import processes_with_env
+
+CHILD_DEADLINE = 240  # a hung child session fails this test instead of hanging CI
+
+PASSING = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+@pytest.mark.distributed
+def test_sum(dist_ctx):
+    t = torch.ones(1) * dist_ctx.rank
+    dist.all_reduce(t)
+    assert t.item() == sum(range(dist_ctx.world_size))
+    assert dist_ctx.world_size == dist.get_world_size() == int(os.environ["EXPECT_WORLD"])
+    assert dist_ctx.backend == "gloo" and str(dist_ctx.device) == "cpu"
+
+
+@pytest.mark.distributed(nproc=4)
+def test_mesh(dist_ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert mesh["tp"].size() == 2 and dist.get_world_size() == 4
+
+
+class Payload:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.fixture
+def payload():
+    return Payload(41)
+
+
+@pytest.mark.parametrize("x", [1, 2])
+@pytest.mark.distributed
+def test_fixtures_reach_ranks(dist_ctx, x, payload, tmp_path):
+    (tmp_path / f"rank{dist_ctx.rank}").write_text(str(x + payload.value))
+    dist.barrier()
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == [str(x + 41)] * dist_ctx.world_size
+
+
+class TestMethods:
+    @pytest.mark.distributed
+    def test_method(self, dist_ctx):
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed
+def test_leaks_state(dist_ctx):
+    os.environ["LEAKED_BY_TEST"] = "1"
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(1000 + dist_ctx.rank)
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=group)
+
+
+@pytest.mark.distributed
+def test_state_was_reset(dist_ctx):
+    assert "LEAKED_BY_TEST" not in os.environ
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert len(c10d._world.pg_map) == 1  # only the default group is left
+    draws = [torch.zeros(1) for _ in range(dist_ctx.world_size)]
+    dist.all_gather(draws, torch.rand(1))
+    assert all(torch.equal(draws[0], d) for d in draws)  # same seed on every rank
+
+
+def test_plain_tests_still_run_in_the_pytest_process():
+    assert "RANK" not in os.environ or os.environ.get("LOCAL_RANK") is not None
+"""
+
+
+def _child_env(monkeypatch: pytest.MonkeyPatch) -> str:
+    tag = f"HARNESS_TEST_TAG={uuid.uuid4().hex}"
+    key, value = tag.split("=")
+    monkeypatch.setenv(key, value)
+    return tag
+
+
+def _assert_no_leftovers(tag: str) -> None:
+    deadline = time.monotonic() + 10
+    while processes_with_env(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with_env(tag) == [], "rank processes outlived the pytest session"
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_passing_tests_at_nproc(pytester, monkeypatch, nproc):
+    tag = _child_env(monkeypatch)
+    monkeypatch.setenv("EXPECT_WORLD", str(nproc))
+    pytester.makepyfile(test_passing=PASSING)
+    result = pytester.runpytest_subprocess("--nproc", str(nproc), "-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=8)
+    _assert_no_leftovers(tag)
+
+
+FAILING = """
+import os
+import signal
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed
+def test_rank1_asserts(dist_ctx):
+    values = [1, 2, 3]
+    if dist_ctx.rank == 1:
+        assert values == [1, 2, 4]
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_segfault(dist_ctx):
+    if dist_ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_exit_code(dist_ctx):
+    if dist_ctx.rank == 0:
+        os._exit(7)
+    dist.barrier()
+
+
+@pytest.mark.distributed(timeout=6)
+def test_mismatched_collectives(dist_ctx):
+    t = torch.ones(1)
+    if dist_ctx.rank == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, 0)
+    dist.barrier()
+
+
+@pytest.mark.distributed(timeout=6)
+def test_rank_skips_collective(dist_ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist_ctx.rank == 0:
+        dist.all_reduce(t)
+
+
+@pytest.mark.distributed
+def test_next_test_runs_on_a_fresh_pool(dist_ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist_ctx.world_size
+
+
+@pytest.mark.distributed
+def test_skipped_on_ranks(dist_ctx):
+    pytest.skip("not on this machine")
+"""
+
+
+def _section(text: str, title: str) -> str:
+    """The failure section of one test in pytest's output."""
+    start = text.index(f" {title} ")
+    end = text.find("\n_____", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_failures_crashes_and_hangs_are_reported_per_rank(pytester, monkeypatch):
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_failing=FAILING)
+    result = pytester.runpytest_subprocess("--nproc", "2", "-p", "no:cacheprovider", "-rA", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=1, failed=5, skipped=1)
+    out = result.stdout.str()
+
+    asserted = _section(out, "test_rank1_asserts")
+    assert asserted.index("rank 1 failed first, of 2 ranks") < asserted.index("other ranks:")
+    assert "assert [1, 2, 3] == [1, 2, 4]" in asserted  # pytest's assertion rewriting on the rank
+    assert "test_failing.py:12: AssertionError" in asserted
+    assert "harness" not in asserted.split("other ranks:")[0]  # starts at the test body
+    assert "rank 0: aborted while waiting: in barrier" in asserted
+
+    segv = _section(out, "test_segfault")
+    assert "rank 1 died first (killed by signal 11 (SIGSEGV)), of 2 ranks" in segv
+    assert "Fatal Python error: Segmentation fault" in segv  # the rank's own last words
+    assert "rank 0: " in segv
+
+    exited = _section(out, "test_exit_code")
+    assert "rank 0 died first (exit code 7), of 2 ranks" in exited
+
+    hang = _section(out, "test_mismatched_collectives")
+    assert "TIMEOUT: the test did not finish on all 2 ranks within 6 s" in hang
+    assert "rank 0: in all_reduce" in hang and "test_failing.py:34 in test_mismatched_collectives" in hang
+    assert "rank 1: in broadcast" in hang and "test_failing.py:36 in test_mismatched_collectives" in hang
+    assert "---- rank 0 Python stack ----" in hang and "---- rank 1 Python stack ----" in hang
+    assert "all_reduce #" in hang and "broadcast #" in hang  # last collectives of each rank
+
+    skipped = _section(out, "test_rank_skips_collective")
+    assert "rank 0: in all_reduce" in skipped and "test_failing.py:45" in skipped
+    assert "rank 1: passed, finished its test body; its last collective was all_reduce" in skipped
+
+    assert "SKIPPED [1] test_failing.py:" in out and "not on this machine" in out
+    _assert_no_leftovers(tag)
+
+
+BAD_INPUT = """
+import os
+import threading
+import pytest
+import torch.distributed as dist
+
+if os.environ.get("HARNESS_WORKER"):
+    raise ImportError("this module only imports in the pytest process")
+
+
+@pytest.mark.distributed(nproc=0)
+def test_bad_nproc(dist_ctx):
+    pass
+
+
+@pytest.mark.distributed(timeout=-1)
+def test_bad_timeout(dist_ctx):
+    pass
+
+
+@pytest.mark.distributed(nprocs=2)
+def test_misspelt_argument(dist_ctx):
+    pass
+
+
+def test_ctx_without_marker(dist_ctx):
+    pass
+
+
+@pytest.fixture
+def lock():
+    return threading.Lock()
+
+
+@pytest.mark.distributed
+def test_unpicklable_fixture(dist_ctx, lock):
+    pass
+
+
+@pytest.mark.distributed
+def test_body_not_importable_on_ranks(dist_ctx):
+    pass
+"""
+
+
+def test_bad_markers_and_bodies_get_clear_errors(pytester, monkeypatch):
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_bad=BAD_INPUT)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(errors=4, failed=2)
+    out = result.stdout.str()
+    assert "nproc=0 is not allowed; it must be an integer >= 1" in out
+    assert "timeout=-1 is not allowed; give seconds > 0" in out
+    assert "unknown argument(s) ['nprocs']; allowed: ['nproc', 'timeout']" in out
+    assert "asks for dist_ctx but is not marked @pytest.mark.distributed" in out
+    assert "fixture or parameter 'lock' (a lock) cannot be sent to the ranks" in out
+    assert "could not load the test body test_body_not_importable_on_ranks" in out
+    assert "ImportError: this module only imports in the pytest process" in out
+    _assert_no_leftovers(tag)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc", "0"], "argument --nproc: 0 is not a valid world size; it must be >= 1"),
+        (["--nproc", "abc"], "argument --nproc: 'abc' is not an integer; give a world size >= 1"),
+        (["--dist-timeout", "-5"], "argument --dist-timeout: -5 s is not allowed"),
+        (["--dist-backend", "nccl", "--dist-device", "cpu"], "--dist-backend nccl needs --dist-device cuda"),
+    ],
+)
+def test_bad_options_are_usage_errors(pytester, args, message):
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess(*args, timeout=CHILD_DEADLINE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str()
+
+
+def test_more_gpus_than_exist_is_a_skip(pytester):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the skip path is for machines short of GPUs")
+    pytester.makepyfile(test_gpu="import pytest\n\n@pytest.mark.distributed\ndef test_x(dist_ctx):\n    pass\n")
+    result = pytester.runpytest_subprocess("--dist-device", "cuda", "-rs", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(skipped=1)
+    assert "needs 2 CUDA devices (one per rank), found 0" in result.stdout.str()
+
+
+XDIST = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.distributed
+def test_allreduce(dist_ctx, i):
+    t = torch.full((4,), float(i + dist_ctx.rank))
+    dist.all_reduce(t)
+    assert t[0].item() == dist_ctx.world_size * i + sum(range(dist_ctx.world_size))
+"""
+
+
+def test_under_xdist(pytester, monkeypatch):
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_xdist=XDIST)
+    result = pytester.runpytest_subprocess("-n", "2", "--nproc", "2", "-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=6)
+    _assert_no_leftovers(tag)
+
+
+HANG_FOREVER = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed
+def test_hangs(dist_ctx):
+    open(os.path.join(os.environ["STARTED_DIR"], f"rank{dist_ctx.rank}"), "w").close()
+    if dist_ctx.rank == 0:
+        dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch):
+    tag = _child_env(monkeypatch)
+    started = pytester.mkdir("started")
+    monkeypatch.setenv("STARTED_DIR", str(started))
+    path = pytester.makepyfile(test_hang=HANG_FOREVER)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(path), "-p", "no:cacheprovider"],
+        cwd=str(pytester.path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + CHILD_DEADLINE
+        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.1)  # until both ranks are inside the test body
+        assert len(list(started.iterdir())) == 2
+        assert processes_with_env(tag), "the ranks should be running now"
+        child.send_signal(signal.SIGINT)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == pytest.ExitCode.INTERRUPTED
+    _assert_no_leftovers(tag)
+
+
+TORCHRUN = """
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed
+def test_in_place(dist_ctx):
+    assert dist_ctx.rank == int(os.environ["RANK"])
+    assert "HARNESS_WORKER" not in os.environ  # nothing was spawned: we are the torchrun rank
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+@pytest.mark.distributed(nproc=4)
+def test_needs_four(dist_ctx):
+    pass
+"""
+
+
+def test_under_torchrun_runs_in_place(pytester, monkeypatch):
+    tag = _child_env(monkeypatch)
+    path = pytester.makepyfile(test_torchrun=TORCHRUN)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "pytest", str(path), "-p", "no:cacheprovider", "-rs",
+        ],
+        cwd=str(pytester.path),
+        capture_output=True,
+        text=True,
+        timeout=CHILD_DEADLINE,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("1 passed, 1 skipped") == 2, out  # one pytest session per torchrun rank
+    assert "needs nproc=4 ranks but torchrun started WORLD_SIZE=2" in out
+    _assert_no_leftovers(tag)
+
+
+def test_plugin_is_registered_by_entry_point(pytester):
+    result = pytester.runpytest_subprocess("--help")
+    text = result.stdout.str()
+    for option in ("--nproc=N", "--dist-backend", "--dist-device", "--dist-timeout", "--dist-fresh-pool"):
+        assert option in text
+    assert textwrap.dedent("distributed(nproc=None, timeout=None)") in pytester.runpytest_subprocess("--markers").stdout.str()

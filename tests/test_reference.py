@@ -1,0 +1,205 @@
+"""The single-device reference: deterministic, right semantics, cached, and clear about bad cases."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+import reference.cache as cache_module
+from cases import mlp_case
+from cases.data import SyntheticRegression
+from cases.models import TwoLayerMLP
+from reference import (
+    KINDS,
+    Case,
+    CaseError,
+    NonFiniteReferenceError,
+    Record,
+    Sample,
+    cached_reference,
+    case_fingerprint,
+    collate,
+    global_batch_indices,
+    micro_batch_indices,
+    replica_micro_batch_indices,
+    train_reference,
+)
+
+
+def assert_records_identical(a: Record, b: Record) -> None:
+    assert a.num_steps == b.num_steps
+    for step in range(a.num_steps):
+        sa, sb = a.step(step), b.step(step)
+        assert (sa.loss, sa.micro_losses, sa.sample_ids, sa.micro_sample_ids) == (
+            sb.loss, sb.micro_losses, sb.sample_ids, sb.micro_sample_ids
+        )
+        assert sa.param_groups == sb.param_groups
+        for kind in KINDS:
+            assert sa.names(kind) == sb.names(kind)
+            for name in sa.names(kind):
+                assert torch.equal(a.tensor(step, kind, name), b.tensor(step, kind, name)), (step, kind, name)
+
+
+# -- determinism and caching -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_reference_is_deterministic_across_runs(tmp_path, optimizer: str) -> None:
+    case = mlp_case(optimizer, micro_batches=2)
+    first = train_reference(case, tmp_path / "a")
+    torch.manual_seed(12345)  # unrelated global RNG use between runs must not matter
+    torch.randn(10)
+    second = train_reference(case, tmp_path / "b")
+    assert_records_identical(first, second)
+    assert first.complete and first.num_steps == 3
+    assert {n for n in first.step(2).names("optim")} >= {"fc1.weight.exp_avg" if optimizer == "adamw" else "fc1.weight.momentum_buffer"}
+
+
+def test_reference_survives_save_load_and_cache(tmp_path, monkeypatch) -> None:
+    case = mlp_case()
+    direct = train_reference(case, tmp_path / "direct")
+    cached = cached_reference(case, cache=tmp_path / "cache")
+    assert_records_identical(direct, cached)
+    assert_records_identical(direct, Record.load(direct.path))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cached reference was retrained")
+
+    monkeypatch.setattr(cache_module, "train_reference", no_training)
+    again = cached_reference(mlp_case(), cache=tmp_path / "cache")  # an equal, separately built case
+    assert again.path == cached.path
+    assert_records_identical(direct, again)
+
+
+def test_fingerprint_changes_with_what_changes_the_numbers() -> None:
+    base = mlp_case()
+    assert case_fingerprint(base) == case_fingerprint(mlp_case())
+    lr = base.replace(optimizer_factory=functools.partial(torch.optim.AdamW, lr=2e-2, weight_decay=0.01))
+    variants = [
+        lr,
+        base.replace(seed=1),
+        base.replace(micro_batches=2),
+        base.replace(dataset=SyntheticRegression(64, 8, 4, seed=99)),
+        base.replace(loss_fn=F.l1_loss),
+        base.replace(model_factory=functools.partial(TwoLayerMLP, 8, 32, 4)),
+    ]
+    prints = {case_fingerprint(c) for c in variants} | {case_fingerprint(base)}
+    assert len(prints) == len(variants) + 1
+
+
+# -- semantics --------------------------------------------------------------------------------
+
+
+def test_gradient_is_that_of_the_mean_loss_over_the_global_batch(tmp_path) -> None:
+    case = mlp_case("sgd", micro_batches=4, steps=1)
+    record = train_reference(case, tmp_path / "r")
+    model = case.build_model().double()
+    batch = collate(case.dataset, global_batch_indices(case, 0), dtype=torch.float64)
+    loss = F.mse_loss(model(batch.inputs), batch.targets)
+    loss.backward()
+    step = record.step(0)
+    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
+    assert len(step.micro_losses) == 4 and step.micro_sample_ids == [list(collate(case.dataset, i).ids) for i in micro_batch_indices(case, 0)]
+    assert sorted(step.sample_ids) == sorted(batch.ids)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(record.tensor(0, "grad", name).double(), param.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_schedule_is_distributed_samplers(tmp_path) -> None:
+    case = mlp_case(global_batch_size=16, micro_batches=2, steps=9, num_samples=40)  # 2 steps per epoch
+    assert case.steps_per_epoch == 2
+    seen_epochs = []
+    for step in range(case.steps):
+        whole = global_batch_indices(case, step)
+        assert len(whole) == 16 and len(set(whole)) == 16
+        for world in (1, 2, 4):
+            shards = [replica_micro_batch_indices(case, step, r, world) for r in range(world)]
+            # Replica micro-batch m lies inside the reference's micro-batch m.
+            for m, ref_micro in enumerate(micro_batch_indices(case, step)):
+                assert sorted(i for s in shards for i in s[m]) == sorted(ref_micro)
+        epoch, k = divmod(step, 2)
+        sampler = DistributedSampler(range(40), num_replicas=1, rank=0, shuffle=True, seed=case.seed)
+        sampler.set_epoch(epoch)
+        assert whole == list(sampler)[k * 16 : (k + 1) * 16]
+        seen_epochs.append(tuple(whole))
+    assert len(set(seen_epochs)) == len(seen_epochs)  # every epoch is shuffled anew
+    with pytest.raises(CaseError, match="not divisible by replicas x micro_batches = 3 x 2"):
+        replica_micro_batch_indices(case, 0, 0, 3)
+
+
+def test_dropout_is_recorded_when_on(tmp_path) -> None:
+    off = train_reference(mlp_case(steps=1), tmp_path / "off")
+    on_case = mlp_case(steps=1, dropout=0.5)
+    on = train_reference(on_case, tmp_path / "on")
+    again = train_reference(on_case, tmp_path / "again")
+    assert off.meta["dropout"] == {"active": False, "modules": []}
+    assert on.meta["dropout"] == {"active": True, "modules": ["dropout"]}
+    assert on.step(0).loss != off.step(0).loss
+    assert_records_identical(on, again)  # the training RNG is seeded too
+
+
+# -- cases that cannot be compared -------------------------------------------------------------
+
+
+class TupleDataset:
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return torch.ones(8), torch.ones(4)
+
+
+class DuplicateIdDataset(SyntheticRegression):
+    def __getitem__(self, i: int) -> Sample:
+        s = super().__getitem__(i)
+        return Sample(id=self.id_offset + 5 if i == 3 else s.id, input=s.input, target=s.target)
+
+
+def _noisy_mlp() -> torch.nn.Module:
+    model = TwoLayerMLP()
+    with torch.no_grad():
+        model.fc2.bias.add_(random.random())  # unseeded: differs between builds
+    return model
+
+
+def test_dataset_without_ids_is_a_clear_error(tmp_path) -> None:
+    case = mlp_case().replace(dataset=TupleDataset())
+    with pytest.raises(CaseError, match=r"TupleDataset\[\d+\] is a tuple without id, input, target"):
+        train_reference(case, tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    dup = mlp_case(steps=4).replace(dataset=DuplicateIdDataset(64, 8, 4))  # 4 steps use all 64
+    with pytest.raises(CaseError, match="samples 3 and 5 share id 1005|samples 5 and 3 share id 1005"):
+        train_reference(dup, tmp_path / "r")
+
+
+def test_nondeterministic_model_factory_is_a_clear_error(tmp_path) -> None:
+    case = mlp_case().replace(model_factory=_noisy_mlp)
+    with pytest.raises(CaseError, match=r"model_factory is not deterministic: two builds after torch.manual_seed\(0\) differ in 'fc2.bias'"):
+        train_reference(case, tmp_path / "r")
+
+
+def test_non_finite_reference_is_a_clear_error_and_keeps_what_was_recorded(tmp_path) -> None:
+    huge = functools.partial(torch.optim.SGD, lr=1e30)
+    case = mlp_case().replace(optimizer_factory=huge)
+    with pytest.raises(NonFiniteReferenceError, match=r"NaN/inf in (param|loss|grad) .* at step \d"):
+        train_reference(case, tmp_path / "r")
+    partial = Record.load(tmp_path / "r")
+    assert not partial.complete and partial.num_steps >= 1
+
+
+def test_case_validation_names_the_field() -> None:
+    with pytest.raises(CaseError, match="global_batch_size 16 is not divisible by micro_batches 3"):
+        mlp_case(micro_batches=3)
+    with pytest.raises(CaseError, match="steps must be a positive int, got 0"):
+        mlp_case(steps=0)
+    with pytest.raises(CaseError, match="dtype must be a floating torch.dtype"):
+        mlp_case(dtype=torch.int64)
+    with pytest.raises(CaseError, match="fewer than one global batch"):
+        mlp_case(num_samples=8)
+    with pytest.raises(CaseError, match="loss_fn must be callable"):
+        Case("x", TwoLayerMLP, SyntheticRegression(), None, torch.optim.SGD, 8)  # type: ignore[arg-type]
