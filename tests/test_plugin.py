@@ -7,11 +7,9 @@ that leftover rank processes can be found afterwards.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 
@@ -424,4 +422,4 @@ def test_plugin_is_registered_by_entry_point(pytester):
     text = result.stdout.str()
     for option in ("--nproc=N", "--dist-backend", "--dist-device", "--dist-timeout", "--dist-fresh-pool"):
         assert option in text
-    assert textwrap.dedent("distributed(nproc=None, timeout=None)") in pytester.runpytest_subprocess("--markers").stdout.str()
+    assert "distributed(nproc=None, timeout=None)" in pytester.runpytest_subprocess("--markers").stdout.str()
