@@ -1,5 +1,5 @@
 """Cases: small models, data with sample ids, and strategies to check against the reference."""
 
-from .catalog import OPTIMIZERS, mlp_case
+from .catalog import OPTIMIZERS, lm_loss, mlp_case, transformer_case
 
-__all__ = ["OPTIMIZERS", "mlp_case"]
+__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "transformer_case"]

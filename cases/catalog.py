@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from reference.case import Case
 
-from .data import SyntheticRegression
-from .models import TwoLayerMLP
+from .data import SyntheticRegression, SyntheticTokens
+from .models import TinyTransformer, TwoLayerMLP
 
-__all__ = ["OPTIMIZERS", "mlp_case"]
+__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "transformer_case"]
 
 # Optimizers as picklable partials (a case may travel to worker processes).
 OPTIMIZERS = {
@@ -40,6 +40,52 @@ def mlp_case(
         model_factory=functools.partial(TwoLayerMLP, 8, 16, 4, dropout),
         dataset=SyntheticRegression(num_samples, 8, 4),
         loss_fn=F.mse_loss,
+        optimizer_factory=OPTIMIZERS[optimizer],
+        global_batch_size=global_batch_size,
+        micro_batches=micro_batches,
+        steps=steps,
+        seed=seed,
+        dtype=dtype,
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every position of every sequence."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def transformer_case(
+    optimizer: str = "adamw",
+    *,
+    steps: int = 3,
+    global_batch_size: int = 8,
+    micro_batches: int = 1,
+    dtype: torch.dtype = torch.float32,
+    dropout: float = 0.0,
+    seed: int = 0,
+    num_samples: int = 64,
+    seq_len: int = 8,
+    vocab: int = 32,
+    dim: int = 16,
+    heads: int = 4,
+    hidden: int = 32,
+    layers: int = 4,
+    name: str | None = None,
+) -> Case:
+    """The tiny transformer on synthetic token sequences. The defaults divide by data, tensor
+    and pipeline parallelism up to 4 (heads, dim, hidden by tp; layers by pp)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    if seq_len > 16:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len 16")
+    suffix = f"-{str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else ""
+    return Case(
+        name=name or f"transformer-{optimizer}{suffix}" + (f"-dropout{dropout}" if dropout else ""),
+        model_factory=functools.partial(
+            TinyTransformer, vocab=vocab, dim=dim, heads=heads, hidden=hidden, layers=layers, max_seq_len=16, dropout=dropout
+        ),
+        dataset=SyntheticTokens(num_samples, seq_len, vocab),
+        loss_fn=lm_loss,
         optimizer_factory=OPTIMIZERS[optimizer],
         global_batch_size=global_batch_size,
         micro_batches=micro_batches,

@@ -11,7 +11,7 @@ import torch
 
 from reference.case import Sample
 
-__all__ = ["SyntheticRegression"]
+__all__ = ["SyntheticRegression", "SyntheticTokens"]
 
 
 class SyntheticRegression:
@@ -42,3 +42,43 @@ class SyntheticRegression:
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         index = index % len(self)
         return Sample(id=self.id_offset + index, input=self.inputs[index], target=self.targets[index])
+
+
+class SyntheticTokens:
+    """Token sequences for next-token prediction: ``input = seq[:-1]``, ``target = seq[1:]``.
+
+    Each sequence follows a noisy affine recurrence ``t[i+1] = (a * t[i] + b) % vocab`` with a
+    per-sample (a, b), so the model has something to learn and losses move over a few steps.
+    Drawn once from a private generator; ids are ``id_offset + index``."""
+
+    def __init__(
+        self,
+        num_samples: int = 64,
+        seq_len: int = 8,
+        vocab: int = 32,
+        *,
+        seed: int = 4321,
+        id_offset: int = 5000,
+    ):
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randint(1, vocab, (num_samples, 1), generator=g)
+        b = torch.randint(0, vocab, (num_samples, 1), generator=g)
+        seq = torch.empty(num_samples, seq_len + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(0, vocab, (num_samples,), generator=g)
+        for i in range(seq_len):
+            seq[:, i + 1] = (a[:, 0] * seq[:, i] + b[:, 0]) % vocab
+        flip = torch.rand(num_samples, seq_len + 1, generator=g) < 0.1
+        seq = torch.where(flip, torch.randint(0, vocab, seq.shape, generator=g), seq)
+        self.tokens = seq
+        self.vocab = vocab
+        self.id_offset = id_offset
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, index: int) -> Sample:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        index = index % len(self)
+        row = self.tokens[index]
+        return Sample(id=self.id_offset + index, input=row[:-1], target=row[1:])

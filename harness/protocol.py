@@ -27,6 +27,7 @@ class TestTask:
     sys_path: list[str]
     cwd: str
     seed: int = 0
+    plain_import: bool = False  # import module_name normally (library code), not as a test file
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RankResult:
     longrepr: str = ""  # pytest-style traceback text, assertion rewriting included
     stdout: str = ""
     stderr: str = ""
+    value_pickle: bytes = b""  # the body's return value, pickled (run_on_ranks); b"" for None
 
 
 @dataclass

@@ -191,6 +191,20 @@ def dist_ctx(request: pytest.FixtureRequest) -> Any:
     return request.config.stash[_RUNNER_KEY].context(spec)
 
 
+@pytest.fixture(scope="session")
+def rank_runner(request: pytest.FixtureRequest) -> Any:
+    """A :class:`harness.remote.RankRunner` on this session's warm pools, for tests that drive
+    ranks from the pytest process (one call per Hypothesis example, no spawn). Not marked
+    distributed itself; honours --dist-backend / --dist-device."""
+    runner = request.config.stash[_RUNNER_KEY]
+    if not isinstance(runner, SpawnRunner):
+        pytest.skip("rank_runner drives its own ranks; not available under torchrun")
+    from harness.remote import RankRunner
+
+    config = request.config
+    return RankRunner(runner.manager, backend=config.getoption("dist_backend"), device=config.getoption("dist_device"))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = pyfuncitem.stash.get(_SPEC_KEY, None)

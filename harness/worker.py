@@ -142,7 +142,7 @@ def _resolve(module: ModuleType, qualname: str) -> tuple[Callable[..., Any], typ
     return getattr(owner, parts[-1]), cls
 
 
-def _call_test(fn: Callable[..., Any], cls: type | None, kwargs: dict[str, Any]) -> None:
+def _call_test(fn: Callable[..., Any], cls: type | None, kwargs: dict[str, Any]) -> Any:
     __tracebackhide__ = True
     if cls is not None:
         instance = cls()
@@ -150,6 +150,7 @@ def _call_test(fn: Callable[..., Any], cls: type | None, kwargs: dict[str, Any])
     result = fn(**kwargs)
     if hasattr(result, "__await__"):
         raise TypeError("async distributed tests are not supported: make the test body synchronous")
+    return result
 
 
 def _pytest_longrepr(exc: BaseException, fn: Callable[..., Any] | None) -> str:
@@ -269,12 +270,13 @@ class RankWorker:
         capture = _FdCapture(capture_path(self.workdir, self.rank))
         self.capture_path = capture.path
         outcome, exc_type, message, longrepr = "passed", "", "", ""
+        value_pickle = b""
         fn: Callable[..., Any] | None = None
         try:
             sys.path[:] = task.sys_path + [p for p in sys.path if p not in task.sys_path]
             os.chdir(task.cwd)
             try:
-                module = _import_test_module(task)
+                module = importlib.import_module(task.module_name) if task.plain_import else _import_test_module(task)
                 fn, cls = _resolve(module, task.qualname)
                 kwargs = pickle.loads(task.kwargs_pickle)
             except BaseException as exc:  # noqa: BLE001 - reported to the user, with cause
@@ -296,7 +298,15 @@ class RankWorker:
                 kwargs[name] = ctx
             seed_everything(task.seed)
             with capture:
-                _call_test(fn, cls, kwargs)
+                value = _call_test(fn, cls, kwargs)
+            if value is not None:
+                try:
+                    value_pickle = pickle.dumps(value)
+                except Exception as exc:  # noqa: BLE001
+                    raise TypeError(
+                        f"rank {self.rank}: {task.qualname} returned a {type(value).__name__} that "
+                        f"cannot be pickled back to the launcher ({exc}); return plain data"
+                    ) from exc
         except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the launcher
             from _pytest.outcomes import Skipped
 
@@ -322,6 +332,7 @@ class RankWorker:
             message=message,
             longrepr=longrepr,
             stdout=captured,
+            value_pickle=value_pickle,
         )
 
     def reset(self) -> ResetResult:

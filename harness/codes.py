@@ -1,0 +1,57 @@
+"""The diagnosis codes (the product's contract, see README) and the finding type every check
+returns. Checks in :mod:`harness.tracing` and the engine in :mod:`harness.diagnose` speak
+:class:`Diagnosis`; reports render them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CODES", "Diagnosis", "UnknownCodeError"]
+
+# code -> one-line meaning. Stable strings: never rename one, only add.
+CODES: dict[str, str] = {
+    "duplicate-samples": "two data-parallel replicas consumed the same sample in one epoch",
+    "dropped-samples": "samples that should have been consumed in the epoch were not",
+    "inconsistent-replica-inputs": "ranks that must see the same batch (one TP group, one pipeline) saw different ones",
+    "grad-double-averaged": "gradients are reference / world size: averaged twice",
+    "grad-not-averaged": "gradients are reference x N: summed, never averaged",
+    "grad-scaled": "gradients off by another constant factor (accumulation steps, micro-batches)",
+    "missing-grad-sync": "some parameters' gradients were never synchronized across replicas",
+    "replica-divergence": "parameters that should be identical on replicas differ",
+    "missing-shard-contribution": "part of a sharded tensor never reached the loss or the reduction",
+    "tp-partial-sum": "a row-parallel output was used without its all-reduce",
+    "rng-desync": "dropout / random masks differ where they must match (or match where they must differ)",
+    "swapped-mesh-dims": "process groups were built along the wrong mesh dimension",
+    "pp-stage-coverage": "a layer is missing from, or duplicated across, pipeline stages",
+    "pp-loss-scaling": "pipeline loss not (or twice) divided by the number of micro-batches",
+    "collective-mismatch": "ranks of one group issued different collectives at the same position",
+    "collective-missing": "a rank never issued a collective its group waits in (hang)",
+    "shard-layout": "a gathered tensor's shape or element order differs from the reference",
+    "state-structure": "missing / extra / renamed state-dict or optimizer-state entries",
+    "numeric-mismatch": "a mismatch above tolerance that matches no pattern above",
+}
+
+
+class UnknownCodeError(ValueError):
+    pass
+
+
+@dataclass
+class Diagnosis:
+    """One named cause with its evidence.
+
+    ``summary`` is one human sentence ("sample 1003 consumed by ranks 0 and 1 at step 0");
+    ``evidence`` is JSON-serializable detail (ids, ranks, steps, factors, call sites) that the
+    JSON and HTML reports show as is."""
+
+    code: str
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise UnknownCodeError(f"unknown diagnosis code {self.code!r}; allowed: {', '.join(CODES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "summary": self.summary, "evidence": self.evidence}
