@@ -38,7 +38,10 @@ class Attention(nn.Module):
             raise ValueError(f"dim {dim} is not divisible by heads={heads}")
         self.head_dim = dim // heads
         self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
+        # No key bias: it adds q.b to every score of a query, which softmax cancels, so its
+        # gradient is exactly zero and only rounding noise remains; AdamW would turn that
+        # noise into lr-sized steps that no two reduction orders agree on.
+        self.k = nn.Linear(dim, dim, bias=False)
         self.v = nn.Linear(dim, dim)
         self.o = nn.Linear(dim, dim)
         self.dropout = nn.Dropout(dropout)

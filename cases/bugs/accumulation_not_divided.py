@@ -1,0 +1,35 @@
+"""DDP with gradient accumulation whose micro-batch losses are not divided by the number of
+accumulation steps.
+
+Real-world class: adding ``loss.backward()`` in an accumulation loop without scaling the loss
+by ``1 / accumulation_steps``. Gradients come out accumulation_steps (here 4) times too large.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from cases.catalog import mlp_case
+from cases.strategies.ddp import DDPStrategy
+
+EXPECTED_CODE = "grad-scaled"
+NPROC = 2
+CASE = mlp_case("adamw", micro_batches=4)
+
+
+class UndividedAccumulation(DDPStrategy):
+    name = "ddp-accumulation-undivided"
+
+    def forward_backward(self, case, setup, micro_batches):
+        losses = []
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else setup.model.no_sync():
+                loss = case.loss_fn(setup.model(batch.inputs), batch.targets)
+                # BUG: the weight is the one of a whole replica batch, not of one of its 4 micro-batches
+                (loss * case.loss_weight(len(batch) * len(micro_batches), setup.layout.dp_size)).backward()
+            losses.append(loss.detach())
+        return losses
+
+
+STRATEGY = UndividedAccumulation

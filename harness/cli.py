@@ -1,0 +1,174 @@
+"""``python -m harness``: diagnose a parallel training target, or the bundled catalogue.
+
+    python -m harness diagnose TARGET [--nproc N] [--steps K] [--json PATH] [--html PATH] [--trace PATH]
+    python -m harness diagnose            # no TARGET: the bundled demo (every bug case + correct strategies)
+    python -m harness list                # bundled targets and the code each must be diagnosed with
+
+Exit status: 0 PASS, 1 a diagnosis (or a run that failed before it could be compared), 2 usage
+error, 3 hang. In the demo: 0 when every bug case is named with its expected code and every
+correct strategy passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+EXIT_PASS, EXIT_DIAGNOSIS, EXIT_USAGE, EXIT_HANG = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness", description="Correctness and debugging harness for parallel training.")
+    sub = parser.add_subparsers(dest="command")
+    d = sub.add_parser("diagnose", help="run a target on N ranks against the single-device reference and name what is wrong")
+    d.add_argument("target", nargs="?", help="bundled name, path/to/file.py or path/to/file.py:NAME (omit for the bundled demo)")
+    d.add_argument("--nproc", type=int, default=None, help="ranks to run (default: the target's NPROC, else 2)")
+    d.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the case's)")
+    d.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    d.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
+    d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
+    d.add_argument("--out", metavar="DIR", default="harness-reports", help="demo only: directory for every target's reports (default harness-reports)")
+    d.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung (default: the target's TIMEOUT, else 300)")
+    d.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="process-group backend (default auto)")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="rank device (default auto)")
+    d.add_argument("--cache", metavar="DIR", default=None, help="reference cache (default $HARNESS_CACHE_DIR or ./.harness_cache)")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    d.add_argument("-v", "--verbose", action="store_true", help="full comparison and launcher report")
+    sub.add_parser("list", help="list bundled targets")
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser, message: str) -> int:
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _echo(quiet: bool):
+    def echo(line: str) -> None:
+        if not quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    return echo
+
+
+def _write_reports(report: Any, json_path: str | None, html_path: str | None, trace_path: str | None) -> list[str]:
+    from .report import write_chrome_trace, write_html
+
+    written = []
+    if json_path:
+        written.append(f"json {report.write_json(json_path)}")
+    if html_path:
+        written.append(f"html {write_html(report, html_path)}")
+    if trace_path:
+        written.append(f"trace {write_chrome_trace(report, trace_path)}")
+    return written
+
+
+def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
+    from .report import format_terminal
+    from .target_run import diagnose_target
+
+    report = diagnose_target(
+        args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
+        cache=args.cache, echo=_echo(args.quiet),
+    )
+    print(format_terminal(report, verbose=args.verbose))
+    for line in _write_reports(report, args.json, args.html, args.trace):
+        print(f"  wrote {line}")
+    return report.exit_code
+
+
+def demo_targets() -> list[tuple[str, str | None]]:
+    """(bundled name, expected code or None for a correct strategy), bug cases first."""
+    from cases.bugs import catalogue
+
+    out: list[tuple[str, str | None]] = [(m.rsplit(".", 1)[-1], code) for m, code in catalogue().items()]
+    try:
+        from cases.targets import DEMO_CORRECT
+
+        out += [(name, None) for name in DEMO_CORRECT]
+    except ImportError:
+        pass
+    return out
+
+
+def _demo(args: argparse.Namespace, runner: Any) -> int:
+    from .report import format_terminal
+    from .target_run import diagnose_target
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    echo = _echo(args.quiet)
+    rows = []
+    started = time.monotonic()
+    targets = demo_targets()
+    for i, (name, expected) in enumerate(targets, 1):
+        echo(f"[{i}/{len(targets)}] {name}")
+        report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout, cache=args.cache, echo=echo)
+        print(format_terminal(report, verbose=args.verbose), flush=True)
+        _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
+        ok = (expected in report.codes) if expected else report.verdict.verdict == "pass"
+        rows.append({"target": name, "expected": expected or "PASS", "verdict": report.verdict.verdict, "codes": report.codes, "ok": ok})
+    width = max(len(r["target"]) for r in rows)
+    print(f"\nbundled demo: {len(rows)} targets in {time.monotonic() - started:.0f} s; reports in {out}/")
+    for r in rows:
+        print(f"  {'ok ' if r['ok'] else 'BAD'} {r['target']:<{width}}  expected {r['expected']:<28} got {r['verdict'].upper()} {' '.join(r['codes'])}")
+    (out / "index.json").write_text(json.dumps(rows, indent=2))
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)}/{len(rows)} named as expected" + (f"; wrong: {', '.join(r['target'] for r in bad)}" if bad else ""))
+    return EXIT_PASS if not bad else EXIT_DIAGNOSIS
+
+
+def _list() -> int:
+    from .target import bundled_targets
+
+    try:
+        from cases.bugs import catalogue
+
+        codes = {m.rsplit(".", 1)[-1]: c for m, c in catalogue().items()}
+    except ImportError:
+        codes = {}
+    for name, module in sorted(bundled_targets().items()):
+        print(f"{name:<32} {codes.get(name, '') or ('(alias)' if module.rsplit('.', 1)[-1] in codes else 'correct')}")
+    return EXIT_PASS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.command == "list":
+        return _list()
+    if args.nproc is not None and args.nproc < 1:
+        return _usage(parser, f"--nproc must be >= 1, got {args.nproc}")
+    if args.steps is not None and args.steps < 1:
+        return _usage(parser, f"--steps must be >= 1, got {args.steps}")
+    if args.target is None and (args.json or args.html or args.trace):
+        return _usage(parser, "--json/--html/--trace need a TARGET; the demo writes every report under --out")
+    sys.path.insert(0, os.getcwd())  # bundled `cases` and the user's own modules resolve from here
+    from .remote import RankRunner
+    from .target import TargetError, load_target
+
+    if args.target is not None:
+        try:
+            load_target(args.target)
+        except TargetError as exc:
+            return _usage(parser, str(exc))
+    runner = RankRunner(backend=args.backend, device=args.device)
+    try:
+        return _diagnose_one(args, runner) if args.target is not None else _demo(args, runner)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        runner.close()

@@ -1,0 +1,119 @@
+"""Glue for custom parallel training loops: a few calls and the harness diagnoses your code.
+
+A target file with your own loop defines ``CASE`` and ``train(ctx, run)``; the harness calls
+``train`` on every rank with a :class:`CustomRun`. The lines marked ``# harness`` are all the
+glue there is (see ``cases/custom_example.py`` for a complete file)::
+
+    CASE = mlp_case()
+
+    def train(ctx, run):
+        model = CASE.build_model(ctx.device)                      # same weights on every rank
+        opt = CASE.build_optimizer(model.parameters())
+        run.watch(model, opt, RankLayout.data_parallel(ctx.rank, ctx.world_size))  # harness
+        for step in range(run.steps):
+            for batch in run.batches(step):                       # or your loader + batch ids
+                loss = CASE.loss_fn(model(batch.inputs), batch.targets)
+                (loss * run.loss_weight(batch)).backward()
+                run.loss(step, loss, batch.ids)                   # harness
+            my_gradient_sync(model)
+            run.before_step(step)                                 # harness
+            opt.step()
+            run.after_step(step)                                  # harness
+            opt.zero_grad()
+
+Hand-sharded tensors (a plain tensor holding this rank's slice) are declared once with
+``run.shard(param, dim=0, group=tp_group)`` so the harness can gather them to full shape.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from reference.case import Batch, Case, collate
+from reference.schedule import replica_micro_batch_indices
+
+from .gather import annotate_shard
+from .rank_record import RankLayout, RankRecorder, RecorderError
+
+__all__ = ["CustomRun"]
+
+
+class CustomRun:
+    """The harness's side of a custom loop on one rank (all hooks are collective except
+    :meth:`loss`, :meth:`batches` and :meth:`shard`)."""
+
+    def __init__(self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0):
+        self.case = case
+        self.ctx = ctx
+        self.record_path = record_path
+        self.dst = dst
+        self.recorder: RankRecorder | None = None
+        self.layout: RankLayout | None = None
+        self.model: Any = None
+
+    @property
+    def steps(self) -> int:
+        return self.case.steps
+
+    def watch(self, model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer, layout: RankLayout | None = None) -> None:
+        """Collective: record ``model``/``optimizer`` from now on. ``layout`` says which
+        data-parallel replica / pipeline stage / mesh coordinate this rank is (default: plain
+        data parallelism over every rank)."""
+        if self.recorder is not None:
+            raise RecorderError("run.watch() was called twice; call it once, after building the model and optimizer")
+        self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        self.model = model
+        self.recorder = RankRecorder(
+            self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
+            source="custom", dst=self.dst, overwrite=True,
+        )
+
+    def _rec(self, hook: str) -> RankRecorder:
+        if self.recorder is None:
+            raise RecorderError(f"run.{hook}() before run.watch(model, optimizer, layout): call watch first")
+        return self.recorder
+
+    def batches(self, step: int, device: torch.device | None = None) -> list[Batch]:
+        """This rank's micro-batches of ``step`` as ``DistributedSampler`` would shard them
+        over the layout's data-parallel replicas (use your own loader if you prefer; then pass
+        its sample ids to :meth:`loss`)."""
+        layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        return [
+            collate(self.case.dataset, idx, device=device or self.ctx.device, dtype=self.case.dtype)
+            for idx in replica_micro_batch_indices(self.case, step, layout.dp_rank, layout.dp_size)
+        ]
+
+    def loss_weight(self, batch: Batch | int) -> float:
+        """The factor on a micro-batch's mean loss that makes averaged gradients equal those of
+        the global-batch mean (see :meth:`reference.case.Case.loss_weight`)."""
+        layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        n = batch if isinstance(batch, int) else len(batch)
+        return self.case.loss_weight(n, layout.dp_size)
+
+    def loss(self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int]) -> None:
+        """Local: this rank consumed ``sample_ids`` in its next micro-batch, with ``loss`` the
+        unweighted mean loss over them (None on ranks that compute no loss)."""
+        self._rec("loss").micro_batch(step, loss, sample_ids)
+
+    def shard(self, tensor: torch.Tensor, dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Declare a hand-sharded tensor: this rank holds its slice along ``dim`` among the
+        ranks of ``group`` (in group-rank order)."""
+        return annotate_shard(tensor, dim=dim, group=group, **kwargs)
+
+    def before_step(self, step: int) -> None:
+        """Collective: call just before ``optimizer.step()`` (records full gradients)."""
+        self._rec("before_step").grads(step)
+
+    def after_step(self, step: int) -> None:
+        """Collective: call just after ``optimizer.step()`` (parameters, optimizer state)."""
+        self._rec("after_step").after_step(step)
+
+    def finish(self, *, complete: bool = True) -> Any:
+        if self.recorder is None:
+            raise RecorderError("the custom train function never called run.watch(model, optimizer, layout)")
+        return self.recorder.finish(complete=complete)

@@ -1,0 +1,479 @@
+"""The diagnosis engine: from a comparison and the run's traces to named causes.
+
+Input is what a run leaves behind - the reference record, the parallel record, the
+:class:`~harness.compare.CompareResult`, the run trace (:mod:`harness.tracing`: samples, mesh,
+collectives), the activation probe (:mod:`harness.probe`) and any structured failure (a
+pipeline stage split that lost a layer, a hang). Output is a list of
+:class:`~harness.codes.Diagnosis`, root causes first. A correct run gives an empty list.
+
+How each pattern is recognised (evidence is measured, never assumed):
+
+- trace checks first (samples, mesh groups, collective order): they name root causes that
+  explain any value mismatch downstream;
+- structure: shapes that differ -> ``shard-layout``; missing / extra / renamed entries ->
+  ``state-structure``;
+- gradients at the first step where they differ, each fitted as ``actual = c * reference``:
+  one common c on every gradient is a scale bug whose size says which (1/N averaged twice, N
+  never averaged, the micro-batch count m in a pipeline, another constant); gradients that
+  differ between replicas are an unsynchronized gradient; a gradient one of whose shard
+  slices is zero or off while the rest match is a shard that never reached the loss; values
+  that are a permutation of the reference are a wrong shard layout;
+- parameters that differ between replicas while gradients agree -> ``replica-divergence``;
+- what no pattern explains -> ``numeric-mismatch`` with the tensors and errors. Consequences
+  of a named cause (parameters after a bad gradient, later steps) are not reported twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reference.record import Record
+
+from .codes import Diagnosis
+from .compare import CompareResult, TensorComparison
+
+__all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "verdict_for"]
+
+# A fit actual ~= c * expected is "constant" when the residual is this small relative to the
+# tensor; per dtype because bf16 runs carry ~1e-2 relative noise.
+_FIT_RESIDUAL = {"float64": 1e-6, "float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
+_FACTOR_RTOL = 0.03  # two factors are "the same" within 3%
+
+# Root causes that explain value mismatches downstream: with one of these, leftover failing
+# tensors are consequences, not a separate numeric-mismatch.
+_ROOT_CODES = frozenset(
+    {
+        "duplicate-samples", "dropped-samples", "inconsistent-replica-inputs", "swapped-mesh-dims",
+        "collective-mismatch", "collective-missing", "pp-stage-coverage", "tp-partial-sum", "rng-desync",
+        "state-structure", "shard-layout",
+    }
+)
+
+
+@dataclass
+class Verdict:
+    """The overall outcome: ``verdict`` is "pass", "fail", "hang" or "error"."""
+
+    verdict: str
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def codes(self) -> list[str]:
+        return [d.code for d in self.diagnoses]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "diagnoses": [d.to_dict() for d in self.diagnoses], "error": self.error}
+
+
+def verdict_for(diagnoses: Sequence[Diagnosis], *, passed: bool, hang: bool = False, error: str = "") -> Verdict:
+    if hang:
+        return Verdict("hang", list(diagnoses), error)
+    if error and not diagnoses:
+        return Verdict("error", [], error)
+    if passed and not diagnoses:
+        return Verdict("pass", [])
+    return Verdict("fail", list(diagnoses), error)
+
+
+def _close(a: float, b: float, rtol: float = _FACTOR_RTOL) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+@dataclass
+class _Fit:
+    name: str
+    scale: float | None  # least-squares c in actual ~= c * expected
+    residual: float  # ||a - c e|| / ||a||
+    passed: bool
+
+    def constant(self, dtype: str) -> bool:
+        return self.scale is not None and self.residual <= _FIT_RESIDUAL.get(dtype, 2e-3)
+
+
+def _fit(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float | None, float]:
+    a, e = actual.detach().double().flatten(), expected.detach().double().flatten()
+    if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
+        return None, math.inf
+    ee = float(e @ e)
+    if ee == 0.0:
+        return (None, 0.0) if float(a @ a) == 0.0 else (None, math.inf)
+    c = float(a @ e) / ee
+    norm = max(float(a.norm()), float((c * e).norm()), 1e-30)
+    return c, float((a - c * e).norm()) / norm
+
+
+class Analysis:
+    """One run's evidence; :meth:`run` yields the diagnoses. Kept as a class so each pattern
+    is one small method over shared, lazily loaded facts."""
+
+    def __init__(
+        self,
+        comparison: CompareResult,
+        reference: Record,
+        actual: Record,
+        *,
+        trace: Any = None,
+        findings: Iterable[Diagnosis] = (),
+        probe: Any = None,
+        case: Any = None,
+    ):
+        self.case = case
+        self.cmp = comparison
+        self.ref = reference
+        self.act = actual
+        self.trace = trace
+        self.extra = list(findings)
+        self.probe = probe
+        self.layouts: list[dict[str, Any]] = list(actual.meta.get("ranks", []))
+        self.world = int(actual.meta.get("world_size", len(self.layouts) or 1))
+        case = reference.meta.get("case", {})
+        self.micro_batches = int(case.get("micro_batches", 1) or 1)
+        self.dtype = str(reference.meta.get("dtype", "torch.float32")).removeprefix("torch.")
+
+    # -- layout facts ------------------------------------------------------------------------
+
+    @property
+    def dp_size(self) -> int:
+        return max((int(r.get("dp_size", 1)) for r in self.layouts), default=1)
+
+    @property
+    def num_stages(self) -> int:
+        return max((int(r.get("num_stages", 1)) for r in self.layouts), default=1)
+
+    def mesh_size(self, dim: str) -> int:
+        coords = {r.get("mesh", {}).get(dim) for r in self.layouts if dim in r.get("mesh", {})}
+        return len(coords) if coords else 1
+
+    # -- entry -------------------------------------------------------------------------------
+
+    def run(self) -> list[Diagnosis]:
+        found: list[Diagnosis] = list(self.extra)
+        found += self._trace_checks(found)
+        found += self._structure()
+        found += self._probe_findings(found)
+        found += self._gradients(found)
+        found += self._replica_divergence(found)
+        if not self.cmp.passed and not found:
+            found.append(self._numeric_mismatch())
+        return _dedupe(found)
+
+    # -- trace checks (harness.tracing) --------------------------------------------------------
+
+    def _trace_checks(self, found: list[Diagnosis]) -> list[Diagnosis]:
+        try:
+            from . import tracing
+        except ImportError:
+            return self._sample_fallback()
+        out: list[Diagnosis] = []
+        known = {d.code for d in found}
+        try:
+            if self.trace is not None and hasattr(tracing, "run_checks"):
+                out = list(tracing.run_checks(self.act, self.ref, self.trace))
+            elif hasattr(tracing, "check_samples"):
+                out = list(tracing.check_samples(self.act, self.ref))
+        except Exception as exc:  # noqa: BLE001 - a broken check must not hide the others
+            out = []
+            self.cmp.notes.append(f"trace checks failed: {type(exc).__name__}: {exc}")
+        return [d for d in out if d.code not in known]
+
+    def _sample_fallback(self) -> list[Diagnosis]:
+        """Without the tracing package: name duplicated / dropped samples from the comparison."""
+        out = []
+        dup = [(s.step, s.duplicated) for s in self.cmp.samples if s.duplicated]
+        missing = [(s.step, s.missing) for s in self.cmp.samples if s.missing]
+        if dup:
+            out.append(Diagnosis("duplicate-samples", f"sample {dup[0][1][0]} consumed twice at step {dup[0][0]}",
+                                 {"steps": {str(s): ids for s, ids in dup}}))
+        if missing:
+            out.append(Diagnosis("dropped-samples", f"{sum(len(i) for _, i in missing)} samples never consumed",
+                                 {"steps": {str(s): ids for s, ids in missing}}))
+        return out
+
+    # -- structure ---------------------------------------------------------------------------
+
+    def _structure(self) -> list[Diagnosis]:
+        out: list[Diagnosis] = []
+        shapes = [s for s in self.cmp.structure if s.category == "shape"]
+        if shapes:
+            by_name: dict[str, dict[str, Any]] = {}
+            for s in shapes:
+                by_name.setdefault(f"{s.kind} {s.name}", {"kind": s.kind, "name": s.name, "expected": s.expected, "actual": s.actual})
+            first = next(iter(by_name.values()))
+            out.append(
+                Diagnosis(
+                    "shard-layout",
+                    f"{first['kind']} {first['name']!r} gathers to shape {first['actual']} but the reference's is {first['expected']}"
+                    + (f" (+{len(by_name) - 1} more tensors)" if len(by_name) > 1 else ""),
+                    {"tensors": list(by_name.values())[:20]},
+                )
+            )
+        other = [s for s in self.cmp.structure if s.category not in ("shape",)]
+        if other:
+            names = sorted({f"{s.category} {s.kind or ''} {s.name or ''}".strip() for s in other})
+            out.append(
+                Diagnosis(
+                    "state-structure",
+                    f"{len(names)} state entries differ from the reference's: " + "; ".join(names[:4]) + ("; ..." if len(names) > 4 else ""),
+                    {
+                        "entries": [
+                            {"category": s.category, "step": s.step, "kind": s.kind, "name": s.name, "expected": _plain(s.expected), "actual": _plain(s.actual)}
+                            for s in other[:40]
+                        ],
+                        "deepdiff": self.cmp.structure_text[:4000],
+                        "hints": [n for n in self.cmp.notes if "renamed" in n],
+                    },
+                )
+            )
+        return out
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def _first_failing_step(self, kind: str) -> int | None:
+        steps = [t.step for t in self.cmp.tensors if t.kind == kind and not t.passed]
+        return min(steps) if steps else None
+
+    def _gradients(self, found: list[Diagnosis]) -> list[Diagnosis]:
+        step = self._first_failing_step("grad")
+        if step is None:
+            return []
+        comps = [t for t in self.cmp.tensors if t.kind == "grad" and t.step == step]
+        failing = [t for t in comps if not t.passed]
+        out: list[Diagnosis] = []
+        if any(d.code in _ROOT_CODES for d in found):
+            return out  # a named root cause (samples, mesh, forward, structure) explains the gradients
+        # Replicas disagree on a gradient: the sync never happened for it.
+        mismatched = self.act.step(step).extra.get("replica_mismatch", {}).get("grad", {})
+        if mismatched:
+            names = sorted(mismatched)
+            out.append(
+                Diagnosis(
+                    "missing-grad-sync",
+                    f"{len(names)} of {len(comps)} gradients differ between replicas at step {step}: "
+                    + ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""),
+                    {"step": step, "params": {n: mismatched[n] for n in names}, "groups_note": "ranks listed together agree"},
+                )
+            )
+            return out
+        fits = {t.name: _Fit(t.name, *self._fit_tensor(step, "grad", t.name), passed=t.passed) for t in comps}
+        const = {n: f for n, f in fits.items() if f.constant(self.dtype)}
+        failing_names = [t.name for t in failing]
+        # One common factor on every gradient: a scale bug.
+        if len(const) == len(fits) and failing:
+            scales = [f.scale for f in const.values() if f.scale is not None]
+            c = sum(scales) / len(scales)
+            if all(_close(s, c) for s in scales):
+                out.append(self._scale_diagnosis(c, step, list(fits)))
+                return out
+        # Some gradients scaled by a common factor, the rest right: a scale on part of the model.
+        scaled = [n for n in failing_names if n in const]
+        if scaled and len(scaled) == len(failing_names):
+            scales = [const[n].scale for n in scaled if const[n].scale is not None]
+            c = sum(scales) / len(scales)
+            if all(_close(s, c) for s in scales):
+                d = self._scale_diagnosis(c, step, scaled)
+                d.evidence["partial"] = True
+                d.evidence["unaffected"] = [n for n in fits if n not in scaled][:20]
+                out.append(d)
+                return out
+        # A shard slice that is zero or off while the rest matches.
+        shard = self._shard_contribution(step, [n for n in failing_names if n not in const])
+        if shard:
+            out.append(shard)
+            return out
+        layout = self._permuted(step, "grad", failing_names)
+        if layout:
+            out.append(layout)
+        return out
+
+    def _fit_tensor(self, step: int, kind: str, name: str) -> tuple[float | None, float]:
+        return _fit(self.act.tensor(step, kind, name), self.ref.tensor(step, kind, name))
+
+    def _scale_diagnosis(self, c: float, step: int, params: list[str]) -> Diagnosis:
+        n_dp, m, stages = self.dp_size, self.micro_batches, self.num_stages
+        tp = self.mesh_size("tp")
+        evidence: dict[str, Any] = {"factor": c, "step": step, "params": params[:20], "param_count": len(params),
+                                    "dp_size": n_dp, "micro_batches": m, "pipeline_stages": stages}
+        if stages > 1 and m > 1 and (_close(c, m) or _close(c, 1 / m)):
+            direction = "never divided by" if _close(c, m) else "divided twice by"
+            evidence["likely_source"] = f"pipeline loss {direction} the {m} micro-batches"
+            return Diagnosis("pp-loss-scaling", f"every gradient is {_fmt(c)} x the reference's: the pipeline loss was {direction} the micro-batch count m={m}", evidence)
+        if n_dp > 1 and _close(c, 1 / n_dp):
+            evidence["likely_source"] = f"loss or gradients divided by the data-parallel size {n_dp} although the all-reduce already averages"
+            return Diagnosis("grad-double-averaged", f"every gradient is 1/{n_dp} of the reference's ({_fmt(c)}): averaged over {n_dp} replicas twice", evidence)
+        if n_dp > 1 and _close(c, n_dp):
+            evidence["likely_source"] = f"gradients summed over {n_dp} replicas and never divided"
+            return Diagnosis("grad-not-averaged", f"every gradient is {n_dp} x the reference's ({_fmt(c)}): summed over replicas, never averaged", evidence)
+        sources = []
+        for label, value in (("micro-batches / accumulation steps", m), ("tensor-parallel size", tp), ("pipeline stages", stages),
+                             ("world size", self.world), ("data-parallel size", n_dp)):
+            if value > 1:
+                if _close(c, value):
+                    sources.append(f"x {label} ({value})")
+                elif _close(c, 1 / value):
+                    sources.append(f"/ {label} ({value})")
+        evidence["likely_source"] = sources[0] if sources else "no size of this run explains it (a hard-coded constant?)"
+        evidence["candidates"] = sources
+        return Diagnosis("grad-scaled", f"every gradient is {_fmt(c)} x the reference's" + (f": likely {sources[0]}" if sources else ""), evidence)
+
+    def _shard_degrees(self) -> list[int]:
+        degrees = {self.world, self.dp_size, self.mesh_size("tp"), self.mesh_size("dp")}
+        return sorted(d for d in degrees if d > 1)
+
+    def _shard_contribution(self, step: int, names: list[str]) -> Diagnosis | None:
+        """A gradient one of whose shard slices (along dim 0 or 1, in as many slices as a
+        mesh dim has ranks) is zero or wrong while the other slices match the reference."""
+        for name in names:
+            a, e = self.act.tensor(step, "grad", name).double(), self.ref.tensor(step, "grad", name).double()
+            for dim in range(min(a.dim(), 2)):
+                for k in self._shard_degrees():
+                    if a.shape[dim] % k or a.shape[dim] < k:
+                        continue
+                    slices = []
+                    for i, (sa, se) in enumerate(zip(a.chunk(k, dim), e.chunk(k, dim))):
+                        c, resid = _fit(sa, se)
+                        ok = torch.allclose(sa, se, rtol=1e-3, atol=1e-6 * max(float(e.abs().max()), 1e-12))
+                        zero = bool(sa.abs().max() == 0) and bool(se.abs().max() > 0)
+                        slices.append({"slice": i, "ok": bool(ok), "scale": c, "zero": zero})
+                    good = [s for s in slices if s["ok"]]
+                    bad = [s for s in slices if not s["ok"]]
+                    zeros = [s for s in bad if s["zero"]]
+                    if zeros and len(zeros) < k:
+                        bad = zeros  # a slice that got no gradient at all: the rest differ as a consequence
+                    if bad and (good or zeros) and len(bad) < k:
+                        size = a.shape[dim] // k
+                        for s in bad:
+                            s["range"] = [s["slice"] * size, (s["slice"] + 1) * size]
+                        what = "zero: no gradient reached it" if all(s["zero"] for s in bad) else "partial"
+                        first = bad[0]
+                        rest = "the other slices match" if good else "the other slices differ as a consequence"
+                        return Diagnosis(
+                            "missing-shard-contribution",
+                            f"gradient {name!r} at step {step}: shard slice {first['slice']} of {k} along dim {dim} "
+                            f"(indices {first['range'][0]}:{first['range'][1]}) is {what}; {rest}",
+                            {"param": name, "step": step, "dim": dim, "shards": k, "bad_slices": bad,
+                             "good_slices": [s["slice"] for s in good],
+                             "likely_owner": [f"rank {s['slice']} of the {k}-rank group that shards {name!r}" for s in bad]},
+                        )
+        return None
+
+    def _permuted(self, step: int, kind: str, names: list[str]) -> Diagnosis | None:
+        """Same multiset of values, different positions: the shards were laid out along the
+        wrong dim or in the wrong order."""
+        for name in names:
+            a, e = self.act.tensor(step, kind, name).double(), self.ref.tensor(step, kind, name).double()
+            if a.numel() < 2:
+                continue
+            sa, se = a.flatten().sort().values, e.flatten().sort().values
+            if torch.allclose(sa, se, rtol=1e-4, atol=1e-7 * max(float(e.abs().max()), 1e-12)):
+                return Diagnosis(
+                    "shard-layout",
+                    f"{kind} {name!r} at step {step} holds the reference's values in a different order: shards placed along the wrong dim or in the wrong order",
+                    {"kind": kind, "name": name, "step": step, "shape": list(a.shape)},
+                )
+        return None
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    def _replica_divergence(self, found: list[Diagnosis]) -> list[Diagnosis]:
+        if any(d.code == "missing-grad-sync" or d.code in _ROOT_CODES for d in found):
+            return []
+        for s in self.act.steps:
+            params = s.extra.get("replica_mismatch", {}).get("param", {})
+            if params:
+                names = sorted(params)
+                return [
+                    Diagnosis(
+                        "replica-divergence",
+                        f"{len(names)} parameters differ between replicas after step {s.step}: " + ", ".join(names[:4]),
+                        {"step": s.step, "params": {n: params[n] for n in names}, "groups_note": "ranks listed together agree"},
+                    )
+                ]
+        return []
+
+    # -- activation probe ----------------------------------------------------------------------
+
+    def _probe_findings(self, found: list[Diagnosis]) -> list[Diagnosis]:
+        if self.probe is None or self.case is None:
+            return []
+        try:
+            from .probe import analyze_probe
+        except ImportError:
+            return []
+        known = {d.code for d in found}
+        return [d for d in analyze_probe(self.probe, self.case) if d.code not in known]
+
+    # -- fallback ----------------------------------------------------------------------------
+
+    def _numeric_mismatch(self) -> Diagnosis:
+        failures = self.cmp.failures()
+        div = self.cmp.first_divergence
+        worst: list[TensorComparison] = sorted(failures, key=lambda t: (t.step, -t.max_rel))[:10]
+        return Diagnosis(
+            "numeric-mismatch",
+            (f"{len(failures)} tensors exceed tolerance, first at step {div.step}: " + ", ".join(f"{k} {n}" for k, n in div.entries[:3]))
+            if div else "values differ from the reference",
+            {
+                "first_divergence": {"step": div.step, "entries": [list(e) for e in div.entries[:20]]} if div else None,
+                "tensors": [
+                    {"step": t.step, "kind": t.kind, "name": t.name, "max_abs": t.max_abs, "max_rel": t.max_rel,
+                     "mismatched": t.mismatched, "numel": t.numel, "scale": t.scale}
+                    for t in worst
+                ],
+            },
+        )
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else repr(value)
+
+
+def _dedupe(found: list[Diagnosis]) -> list[Diagnosis]:
+    seen: set[str] = set()
+    out = []
+    for d in found:
+        if d.code not in seen:
+            seen.add(d.code)
+            out.append(d)
+    return out
+
+
+def diagnose(
+    comparison: CompareResult,
+    reference: Record,
+    actual: Record,
+    *,
+    trace: Any = None,
+    findings: Iterable[Diagnosis] = (),
+    probe: Any = None,
+    case: Any = None,
+) -> list[Diagnosis]:
+    """Named causes for a compared run (empty when it matches the reference). ``probe`` and
+    ``case`` enable the activation checks (:mod:`harness.probe`)."""
+    return Analysis(comparison, reference, actual, trace=trace, findings=findings, probe=probe, case=case).run()
+
+
+def diagnose_result(result: Any) -> list[Diagnosis]:
+    """Diagnoses for a :class:`harness.run.RunResult` (loads its records and trace)."""
+    trace = None
+    trace_path = getattr(result, "trace_path", None)
+    if trace_path:
+        try:
+            from .tracing import RunTrace
+
+            trace = RunTrace.load(trace_path)
+        except (ImportError, FileNotFoundError):
+            trace = None
+    return diagnose(
+        result.comparison, Record.load(result.reference_path), Record.load(result.record_path),
+        trace=trace, probe=getattr(result, "probe", None), case=getattr(result, "case_obj", None),
+    )

@@ -1,0 +1,245 @@
+"""A self-contained HTML report (one file, no network): the verdict and evidence, the loss per
+step (reference vs parallel, drawn with matplotlib and inlined as SVG), the per-tensor error
+table with the first divergence highlighted, the sample-id grid (rank x step) with duplicates
+marked, the mesh, and the collective timeline per rank with the divergence marked."""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .model import DiagnosisReport
+
+__all__ = ["render_html", "write_html"]
+
+_OP_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f", "#bab0ac"]
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1200px}
+h1{font-size:22px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
+.verdict{display:inline-block;padding:4px 10px;border-radius:4px;color:#fff;font-weight:600}
+.pass{background:#2e7d32}.fail{background:#c62828}.hang{background:#6a1b9a}.error{background:#555}
+.code{font-family:monospace;background:#f3f3f3;padding:1px 5px;border-radius:3px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}
+td,th{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f6f6f6} tr.bad td{background:#fdecea} tr.first td{background:#ffd7d2;font-weight:600}
+td.dup{background:#ffe082} .ids{font-family:monospace;font-size:12px}
+pre{background:#f8f8f8;padding:8px;overflow-x:auto;font-size:12px}
+.muted{color:#777;font-size:12px}
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _svg(fig: Any) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    text = buf.getvalue()
+    return text[text.find("<svg"):]
+
+
+def _loss_plot(report: DiagnosisReport) -> str:
+    ref = report.losses.get("reference") or []
+    par = report.losses.get("parallel") or []
+    if not ref and not par:
+        return "<p class='muted'>no losses recorded</p>"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3))
+    for values, label, style in ((ref, "reference (1 device)", "o-"), (par, f"parallel ({report.target['nproc']} ranks)", "s--")):
+        points = [(i, v) for i, v in enumerate(values) if isinstance(v, (int, float))]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_xticks(range(max(len(ref), len(par))))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    svg = _svg(fig)
+    plt.close(fig)
+    return svg
+
+
+def _diagnoses(report: DiagnosisReport) -> str:
+    v = report.verdict
+    if not v.diagnoses:
+        body = "<p>No diagnosis: the parallel run matches the reference.</p>" if v.verdict == "pass" else ""
+    else:
+        body = "".join(
+            f"<h3><span class='code'>{_e(d.code)}</span> {_e(d.summary)}</h3>"
+            f"<pre>{_e(json.dumps(d.evidence, indent=2, default=repr)[:6000])}</pre>"
+            for d in v.diagnoses
+        )
+    if v.error:
+        body += f"<h3>launcher report</h3><pre>{_e(v.error[:20000])}</pre>"
+    return body
+
+
+def _tensor_table(report: DiagnosisReport) -> str:
+    cmp = report.comparison
+    if not cmp:
+        return "<p class='muted'>no comparison (the run did not finish)</p>"
+    first = cmp.get("first_divergence") or {}
+    first_keys = {(first.get("step"), k, n) for k, n in first.get("entries", [])}
+    rows = []
+    for t in cmp.get("tensors", []):
+        key = (t["step"], t["kind"], t["name"])
+        cls = "first" if key in first_keys else ("bad" if not t["passed"] else "")
+        scale = t.get("scale")
+        rows.append(
+            f"<tr class='{cls}'><td>{t['step']}</td><td>{_e(t['kind'])}</td><td>{_e(t['name'])}</td>"
+            f"<td>{'ok' if t['passed'] else 'MISMATCH'}</td><td>{_num(t['max_abs'])}</td><td>{_num(t['max_rel'])}</td>"
+            f"<td>{_num(scale) if scale is not None else ''}</td><td>{t.get('mismatched', '')}/{t.get('numel', '')}</td></tr>"
+        )
+    head = "<tr><th>step</th><th>kind</th><th>name</th><th>verdict</th><th>max abs</th><th>max rel</th><th>scale</th><th>mismatched</th></tr>"
+    note = f"<p>First divergence at step {first['step']} (highlighted).</p>" if first else "<p>No divergence.</p>"
+    structure = cmp.get("structure") or []
+    extra = ""
+    if structure:
+        extra = "<h3>structure</h3><pre>" + _e(json.dumps(structure[:50], indent=1, default=repr)) + "</pre>"
+    return note + f"<table>{head}{''.join(rows)}</table>" + extra
+
+
+def _num(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else _e(x)
+
+
+def _sample_grid(report: DiagnosisReport) -> str:
+    ranks = report.samples.get("ranks") or {}
+    if not ranks:
+        return "<p class='muted'>no sample ids recorded</p>"
+    steps = sorted({int(s) for per in ranks.values() for s in per})
+    epoch_count: Counter[int] = Counter()
+    for per in ranks.values():
+        for micro in per.values():
+            for ids in micro:
+                epoch_count.update(ids)
+    dp_rank = {str(m.get("rank")): m.get("dp_rank") for m in report.mesh}
+    # ids seen by two different data-parallel replicas are duplicates (TP peers share on purpose)
+    owners: dict[int, set[Any]] = {}
+    for rank, per in ranks.items():
+        for micro in per.values():
+            for ids in micro:
+                for i in ids:
+                    owners.setdefault(i, set()).add(dp_rank.get(rank, rank))
+    dups = {i for i, o in owners.items() if len(o) > 1}
+    head = "<tr><th>rank (dp replica)</th>" + "".join(f"<th>step {s}</th>" for s in steps) + "</tr>"
+    rows = []
+    for rank in sorted(ranks, key=int):
+        cells = []
+        for s in steps:
+            micro = ranks[rank].get(str(s), [])
+            flat = [i for ids in micro for i in ids]
+            has_dup = any(i in dups for i in flat)
+            text = " | ".join(" ".join(f"<b>{i}</b>" if i in dups else str(i) for i in ids) for ids in micro)
+            cells.append(f"<td class='ids{' dup' if has_dup else ''}'>{text}</td>")
+        rows.append(f"<tr><td>{rank} ({_e(dp_rank.get(rank, '?'))})</td>{''.join(cells)}</tr>")
+    legend = f"<p>{len(dups)} sample ids consumed by more than one data-parallel replica (bold, yellow cells). Micro-batches separated by |.</p>"
+    return legend + f"<table>{head}{''.join(rows)}</table>"
+
+
+def _mesh_table(report: DiagnosisReport) -> str:
+    if not report.mesh:
+        return "<p class='muted'>no mesh recorded</p>"
+    rows = "".join(
+        f"<tr><td>{m.get('rank')}</td><td>{_e(m.get('mesh'))}</td><td>{m.get('dp_rank')}/{m.get('dp_size')}</td>"
+        f"<td>{_e(m.get('stages'))}</td><td>{'yes' if m.get('holds_loss') else ''}</td><td class='ids'>{_e(m.get('groups'))}</td></tr>"
+        for m in report.mesh
+    )
+    return ("<table><tr><th>rank</th><th>coordinates</th><th>dp replica</th><th>stages</th><th>holds loss</th><th>groups</th></tr>"
+            f"{rows}</table>")
+
+
+def _divergence_positions(report: DiagnosisReport) -> dict[str, int]:
+    """rank -> index of the first divergent collective, from the collective diagnoses."""
+    marks: dict[str, int] = {}
+    for d in report.diagnoses:
+        if d.code not in ("collective-mismatch", "collective-missing"):
+            continue
+        ev = d.evidence
+        per_rank = ev.get("position_per_rank") or {}
+        for rank, pos in per_rank.items():
+            marks[str(rank)] = int(pos)
+        if not per_rank and "position" in ev:
+            for rank in ev.get("ranks", []):
+                marks[str(rank)] = int(ev["position"])
+    return marks
+
+
+def _timeline(report: DiagnosisReport) -> str:
+    events = (report.collectives or {}).get("events") or {}
+    if not events:
+        return "<p class='muted'>no collectives traced</p>"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted(events, key=int)
+    ops = sorted({e.get("op", "?") for evs in events.values() for e in evs})
+    color = {op: _OP_COLORS[i % len(_OP_COLORS)] for i, op in enumerate(ops)}
+    marks = _divergence_positions(report)
+    longest = max(len(v) for v in events.values())
+    fig, ax = plt.subplots(figsize=(min(14, 4 + longest * 0.08), 0.6 + 0.5 * len(ranks)))
+    for y, rank in enumerate(ranks):
+        for i, ev in enumerate(events[rank]):
+            ax.broken_barh([(i, 0.9)], (y - 0.35, 0.7), facecolors=color.get(ev.get("op", "?")))
+        if rank in marks:
+            ax.plot([marks[rank] + 0.45], [y], marker="x", color="red", markersize=12, mew=3)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xlabel("collective # (per rank, in issue order); red x = first divergence")
+    ax.legend(handles=[Patch(color=color[o], label=o) for o in ops], loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(len(ops), 6), fontsize=8)
+    ax.invert_yaxis()
+    svg = _svg(fig)
+    plt.close(fig)
+    summary = (report.collectives or {}).get("summary") or []
+    table = ""
+    if summary:
+        rows = "".join(
+            f"<tr><td>{_e(s.get('step'))}</td><td>{_e(s.get('group'))}</td><td>{_e(s.get('op'))}</td><td>{_e(s.get('count'))}</td><td>{_e(s.get('bytes'))}</td></tr>"
+            for s in summary[:400]
+        )
+        table = f"<h3>per step, group and op</h3><table><tr><th>step</th><th>group</th><th>op</th><th>count</th><th>bytes</th></tr>{rows}</table>"
+    return svg + table
+
+
+def render_html(report: DiagnosisReport) -> str:
+    v = report.verdict
+    t = report.target
+    title = f"{v.verdict.upper()} {' '.join(v.codes)} - {t['name']}"
+    sections = [
+        ("Diagnosis", _diagnoses(report)),
+        ("Loss per step", _loss_plot(report)),
+        ("Tensors: reference vs parallel", _tensor_table(report)),
+        ("Sample ids per rank and step", _sample_grid(report)),
+        ("Mesh", _mesh_table(report)),
+        ("Collective timeline", _timeline(report)),
+    ]
+    body = "".join(f"<h2>{_e(name)}</h2>{content}" for name, content in sections)
+    meta = (
+        f"{_e(t['strategy'])} on {t['nproc']} ranks, case <span class='code'>{_e(t['case'])}</span>, {t['steps']} steps"
+        + (f"; expected code <span class='code'>{_e(t['expected_code'])}</span>" if t.get("expected_code") else "")
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>"
+        f"<h1><span class='verdict {v.verdict}'>{v.verdict.upper()}</span> {_e(t['name'])}</h1><p>{meta}</p>"
+        f"<p>{' '.join(f'<span class=code>{_e(c)}</span>' for c in v.codes)}</p>{body}"
+        f"<p class='muted'>harness diagnosis report, schema in harness/report/model.py</p></body></html>"
+    )
+
+
+def write_html(report: DiagnosisReport, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(report), encoding="utf-8")
+    return path

@@ -1,0 +1,166 @@
+"""The diagnosis report as data: what every renderer (terminal, JSON, HTML, Chrome trace) reads.
+
+JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
+
+    {
+      "schema": "harness-diagnosis/1",
+      "verdict": "pass" | "fail" | "hang" | "error",
+      "diagnoses": [{"code": str, "summary": str, "evidence": {...}}],   # codes: README table
+      "error": str,                      # launcher report for "error" / "hang", else ""
+      "target": {"name", "source", "case", "strategy", "nproc", "steps", "expected_code", "description"},
+      "losses": {"reference": [float|null per step], "parallel": [...],
+                 "reference_micro": [[...]], "parallel_micro": [[...]]},
+      "comparison": {... CompareResult.to_dict(): "passed", "tensors": [{"step", "kind", "name",
+                     "passed", "max_abs", "max_rel", "scale", "worst_index", ...}],
+                     "first_divergence": {"step", "entries"} | null, "structure", "samples", ...} | null,
+      "samples": {"reference": {"<step>": [ids]}, "ranks": {"<rank>": {"<step>": [[ids per micro-batch]]}}},
+      "mesh": [{"rank", "dp_rank", "dp_size", "stages", "num_stages", "holds_loss", "mesh": {dim: coord}, "groups": {name: [ranks]}}],
+      "collectives": {"events": {"<rank>": [{"seq", "op", "group", "group_ranks", "shapes", "dtypes",
+                      "reduce_op", "peer", "call_site", "step", "start_us", "end_us"}]},
+                      "summary": [{"step", "group", "op", "count", "bytes"}]} | null,
+      "timing": {"elapsed_s": float}
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..codes import Diagnosis
+from ..diagnose import Verdict, verdict_for
+
+__all__ = ["SCHEMA", "DiagnosisReport", "build_report"]
+
+SCHEMA = "harness-diagnosis/1"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+@dataclass
+class DiagnosisReport:
+    verdict: Verdict
+    target: dict[str, Any]
+    losses: dict[str, Any] = field(default_factory=dict)
+    comparison: dict[str, Any] | None = None
+    comparison_summary: str = ""
+    samples: dict[str, Any] = field(default_factory=dict)
+    mesh: list[dict[str, Any]] = field(default_factory=list)
+    collectives: dict[str, Any] | None = None
+    timing: dict[str, Any] = field(default_factory=dict)
+    workdir: str = ""
+
+    @property
+    def diagnoses(self) -> list[Diagnosis]:
+        return self.verdict.diagnoses
+
+    @property
+    def codes(self) -> list[str]:
+        return self.verdict.codes
+
+    @property
+    def exit_code(self) -> int:
+        """CLI exit status: 0 pass, 1 a diagnosis (or an error while running), 3 hang."""
+        return {"pass": 0, "fail": 1, "hang": 3, "error": 1}[self.verdict.verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(
+            {
+                "schema": SCHEMA,
+                "verdict": self.verdict.verdict,
+                "diagnoses": [d.to_dict() for d in self.diagnoses],
+                "error": self.verdict.error,
+                "target": self.target,
+                "losses": self.losses,
+                "comparison": self.comparison,
+                "samples": self.samples,
+                "mesh": self.mesh,
+                "collectives": self.collectives,
+                "timing": self.timing,
+            }
+        )
+
+    def write_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2))
+        return path
+
+
+def _collectives(trace: Any) -> dict[str, Any] | None:
+    """The trace's collective events and per-step summary in the report's schema."""
+    if trace is None:
+        return None
+    to_report = getattr(trace, "to_report", None)
+    if callable(to_report):
+        return to_report()
+    data = trace.to_dict() if hasattr(trace, "to_dict") else None
+    return data if isinstance(data, dict) else None
+
+
+def build_report(
+    *,
+    target: Any,
+    case: Any,
+    nproc: int,
+    comparison: Any = None,
+    reference: Any = None,
+    actual: Any = None,
+    trace: Any = None,
+    diagnoses: list[Diagnosis] | None = None,
+    error: str = "",
+    hang: bool = False,
+    elapsed_s: float | None = None,
+) -> DiagnosisReport:
+    passed = bool(comparison is not None and comparison.passed)
+    verdict = verdict_for(diagnoses or [], passed=passed, hang=hang, error=error)
+    if comparison is None and not hang and not diagnoses and not error:
+        verdict = Verdict("error", [], "no comparison was produced")
+    info = {
+        "name": target.name,
+        "source": target.source,
+        "description": target.description,
+        "case": case.name,
+        "strategy": target.strategy.name if target.strategy is not None else "custom",
+        "nproc": nproc,
+        "steps": case.steps,
+        "expected_code": target.expected_code,
+    }
+    losses: dict[str, Any] = {}
+    samples: dict[str, Any] = {}
+    if reference is not None:
+        losses["reference"] = [s.loss for s in reference.steps]
+        losses["reference_micro"] = [list(s.micro_losses) for s in reference.steps]
+        samples["reference"] = {str(s.step): list(s.sample_ids) for s in reference.steps}
+    if actual is not None:
+        losses["parallel"] = [s.loss for s in actual.steps]
+        losses["parallel_micro"] = [list(s.micro_losses) for s in actual.steps]
+        ranks: dict[str, dict[str, Any]] = {}
+        for s in actual.steps:
+            for rank, micro in s.rank_sample_ids.items():
+                ranks.setdefault(str(rank), {})[str(s.step)] = [list(m) for m in micro]
+        samples["ranks"] = ranks
+    return DiagnosisReport(
+        verdict=verdict,
+        target=info,
+        losses=losses,
+        comparison=comparison.to_dict() if comparison is not None else None,
+        comparison_summary=comparison.summary() if comparison is not None else "",
+        samples=samples,
+        mesh=list(actual.meta.get("ranks", [])) if actual is not None else [],
+        collectives=_collectives(trace),
+        timing={"elapsed_s": elapsed_s} if elapsed_s is not None else {},
+    )

@@ -1,0 +1,54 @@
+"""The terminal report: the verdict first, then each code with its evidence, short enough for
+a CI log."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .model import DiagnosisReport
+
+__all__ = ["format_evidence", "format_terminal"]
+
+_MAX_VALUE = 160
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= _MAX_VALUE else text[: _MAX_VALUE - 3] + "..."
+
+
+def format_evidence(evidence: dict[str, Any], indent: str = "      ") -> list[str]:
+    return [f"{indent}{key}: {_short(value)}" for key, value in evidence.items()]
+
+
+def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
+    v = report.verdict
+    t = report.target
+    head = {"pass": "PASS", "fail": "FAIL", "hang": "HANG", "error": "ERROR"}[v.verdict]
+    codes = " ".join(v.codes)
+    lines = [
+        f"{head}{'  ' + codes if codes else ''}  "
+        f"[{t['name']}: {t['strategy']} on {t['nproc']} ranks, case {t['case']!r}, {t['steps']} steps]"
+    ]
+    if t.get("description"):
+        lines.append(f"  {t['description']}")
+    for d in v.diagnoses:
+        lines.append(f"  {d.code}: {d.summary}")
+        lines += format_evidence(d.evidence)
+    expected = t.get("expected_code")
+    if expected:
+        ok = expected in v.codes
+        lines.append(f"  expected code {expected}: {'named' if ok else 'NOT named'}")
+    if v.verdict == "fail" and report.comparison_summary and (verbose or not v.diagnoses):
+        lines += ["  comparison:"] + ["    " + line for line in report.comparison_summary.splitlines()]
+    elif report.comparison and report.comparison.get("first_divergence"):
+        div = report.comparison["first_divergence"]
+        shown = ", ".join(f"{k} {n}" for k, n in div["entries"][:4])
+        lines.append(f"  first divergence at step {div['step']}: {shown}")
+    if v.error and (v.verdict in ("error", "hang") or verbose):
+        text = v.error if verbose else "\n".join(v.error.splitlines()[:40])
+        lines += ["  launcher report:"] + ["    " + line for line in text.splitlines()]
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""What ``python -m harness diagnose TARGET`` runs: resolving TARGET to a case and a strategy
+(or a custom training loop).
+
+TARGET is one of
+
+- a bundled name: a module of ``cases/bugs/`` (``grad-double-averaged`` or
+  ``double_averaged_ddp``) or a correct strategy of ``cases/targets.py`` (``ddp``, ``fsdp``...);
+- ``path/to/file.py``: a file that defines the target at module level (below);
+- ``path/to/file.py:NAME``: the same, with NAME picking the strategy, the custom training
+  function or a :class:`Target` among several in the file.
+
+A target file defines::
+
+    CASE = transformer_case()          # a reference.Case, or a function returning one
+    STRATEGY = MyStrategy()            # a harness.strategy.Strategy (instance, class or factory)
+    NPROC = 2                          # optional: the world size it needs
+    TIMEOUT = 30                       # optional: seconds before it counts as hung
+    EXPECTED_CODE = "grad-scaled"      # optional: what its diagnosis must name (cases/bugs)
+
+or, for a custom training loop (see :mod:`harness.custom`)::
+
+    CASE = ...
+    def train(ctx, run):               # run: harness.custom.CustomRun
+        ...
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from reference.case import Case
+
+__all__ = ["Target", "TargetError", "bundled_targets", "load_target"]
+
+
+class TargetError(ValueError):
+    """TARGET cannot be resolved or does not define what a target needs."""
+
+
+@dataclass
+class Target:
+    """A resolved target. Exactly one of ``strategy`` / ``train`` is set."""
+
+    name: str
+    case: Case
+    strategy: Any = None
+    train: Callable[..., Any] | None = None
+    nproc: int | None = None
+    timeout: float | None = None  # seconds before the run counts as hung (TIMEOUT in the file)
+    expected_code: str | None = None
+    source: str = ""  # the module file it came from
+    description: str = ""
+
+
+def _load_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise TargetError(f"target file {str(path)!r} does not exist")
+    if path.suffix != ".py":
+        raise TargetError(f"target file {str(path)!r} is not a .py file")
+    name = "harness_target_" + path.stem.replace("-", "_")
+    resolved = str(path.resolve())
+    existing = sys.modules.get(name)
+    if existing is not None and getattr(existing, "__file__", None) == resolved:
+        return existing
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise TargetError(f"cannot import {str(path)!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    parent = str(path.resolve().parent)
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise TargetError(f"importing target file {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _value(obj: Any) -> Any:
+    """An instance from an instance, a class or a zero-argument factory."""
+    if inspect.isclass(obj):
+        return obj()
+    if callable(obj) and not hasattr(obj, "setup") and not isinstance(obj, Case):
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            return obj
+        if all(p.default is not inspect.Parameter.empty for p in sig.parameters.values()):
+            return obj()
+    return obj
+
+
+def _is_train_fn(obj: Any) -> bool:
+    if not inspect.isfunction(obj):
+        return False
+    params = list(inspect.signature(obj).parameters)
+    return len(params) == 2 and params[0] == "ctx"
+
+
+def target_from_module(module: ModuleType, name: str | None = None, *, label: str | None = None) -> Target:
+    where = label or getattr(module, "__file__", module.__name__)
+    if name is not None:
+        if not hasattr(module, name):
+            public = [n for n in vars(module) if not n.startswith("_")]
+            raise TargetError(f"{where} has no attribute {name!r}; it defines: {', '.join(sorted(public))}")
+        chosen = getattr(module, name)
+        if isinstance(chosen, Target):
+            return chosen
+    else:
+        chosen = None
+    if not hasattr(module, "CASE"):
+        raise TargetError(f"{where} does not define CASE (a reference.Case or a function returning one)")
+    case = _value(module.CASE)
+    if not isinstance(case, Case):
+        raise TargetError(f"{where}: CASE must be a reference.Case or return one, got {type(case).__name__}")
+    train = strategy = None
+    if chosen is not None:
+        if _is_train_fn(chosen):
+            train = chosen
+        else:
+            strategy = _value(chosen)
+    elif hasattr(module, "STRATEGY"):
+        strategy = _value(module.STRATEGY)
+    elif _is_train_fn(getattr(module, "train", None)):
+        train = module.train
+    else:
+        raise TargetError(f"{where} defines neither STRATEGY (a harness.strategy.Strategy) nor train(ctx, run) (a custom loop)")
+    if strategy is not None and not all(hasattr(strategy, m) for m in ("name", "setup", "local_batches", "forward_backward", "optimizer_step")):
+        raise TargetError(f"{where}: the strategy {strategy!r} is not a harness.strategy.Strategy (subclass harness.strategy.StrategyBase)")
+    nproc = getattr(module, "NPROC", None)
+    if nproc is not None and (not isinstance(nproc, int) or nproc < 1):
+        raise TargetError(f"{where}: NPROC must be a positive int, got {nproc!r}")
+    doc = (module.__doc__ or "").strip().splitlines()
+    return Target(
+        name=label or Path(getattr(module, "__file__", module.__name__)).stem + (f":{name}" if name else ""),
+        case=case,
+        strategy=strategy,
+        train=train,
+        nproc=nproc,
+        timeout=getattr(module, "TIMEOUT", None),
+        expected_code=getattr(module, "EXPECTED_CODE", None),
+        source=getattr(module, "__file__", "") or "",
+        description=doc[0] if doc else "",
+    )
+
+
+def bundled_targets() -> dict[str, str]:
+    """Bundled target name -> importable module: every ``cases/bugs`` module (by module name
+    and by its EXPECTED_CODE when unique) and the correct strategies of ``cases.targets``."""
+    out: dict[str, str] = {}
+    try:
+        from cases.bugs import catalogue
+
+        by_code: dict[str, list[str]] = {}
+        for module_name, code in catalogue().items():
+            short = module_name.rsplit(".", 1)[-1]
+            out[short] = module_name
+            by_code.setdefault(code, []).append(module_name)
+        for code, modules in by_code.items():
+            if len(modules) == 1 and code not in out:
+                out[code] = modules[0]
+    except ImportError:
+        pass
+    try:
+        from cases.targets import TARGETS
+
+        for name in TARGETS:
+            out.setdefault(name, f"cases.targets:{name}")
+    except ImportError:
+        pass
+    return out
+
+
+def load_target(spec: str) -> Target:
+    """Resolve TARGET (see the module docstring); raises :class:`TargetError` with the
+    allowed forms and bundled names when it cannot."""
+    spec = spec.strip()
+    if not spec:
+        raise TargetError("empty TARGET")
+    file_part, _, name = spec.partition(":") if ".py" in spec else (spec, "", "")
+    if file_part.endswith(".py") or os.sep in file_part:
+        module = _load_file(Path(file_part))
+        return target_from_module(module, name or None)
+    bundled = bundled_targets()
+    if spec not in bundled:
+        raise TargetError(
+            f"unknown target {spec!r}: give path/to/file.py, path/to/file.py:NAME or a bundled name "
+            f"({', '.join(sorted(bundled)) or 'none found'})"
+        )
+    module_name, _, attr = bundled[spec].partition(":")
+    module = importlib.import_module(module_name)
+    if attr:
+        factory = getattr(module, "TARGETS")[attr]
+        target = factory()
+        target.name = spec
+        return target
+    return target_from_module(module, label=spec)

@@ -1,0 +1,247 @@
+"""Run a target on N ranks and diagnose it: the engine behind ``python -m harness diagnose``.
+
+The launching process resolves the target, starts (or reuses) warm ranks through
+:class:`~harness.remote.RankRunner` and waits; every rank trains the strategy (or the custom
+loop) with recording, tracing and the activation probe on; the destination rank compares with
+the reference, runs the diagnosis engine and returns a :class:`~harness.report.DiagnosisReport`.
+A hang comes back as the launcher's timeout dumps and is diagnosed from the collective traces.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .codes import Diagnosis
+from .remote import RankRunner, RanksFailed, RanksHung
+from .report.model import DiagnosisReport, build_report
+from .target import Target, load_target
+
+__all__ = ["diagnose_on_rank", "diagnose_target"]
+
+
+class _ProgressStrategy:
+    """Delegates to a strategy; appends "step k/K" to a file after each optimizer step so the
+    launching process can show progress while the ranks run."""
+
+    def __init__(self, inner: Any, path: str | None, steps: int):
+        self.inner = inner
+        self.name = inner.name
+        self.path = path
+        self.steps = steps
+        self.done = 0
+
+    def setup(self, case: Any, ctx: Any) -> Any:
+        return self.inner.setup(case, ctx)
+
+    def local_batches(self, case: Any, setup: Any, step: int) -> Any:
+        return self.inner.local_batches(case, setup, step)
+
+    def forward_backward(self, case: Any, setup: Any, micro_batches: Any) -> Any:
+        return self.inner.forward_backward(case, setup, micro_batches)
+
+    def optimizer_step(self, case: Any, setup: Any) -> None:
+        self.inner.optimizer_step(case, setup)
+        self.done += 1
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(f"step {self.done}/{self.steps} trained\n")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _progress(path: str | None, message: str) -> None:
+    if path:
+        with open(path, "a") as fh:
+            fh.write(message + "\n")
+
+
+def _modules(names: Any, as_list: bool = False) -> Any:
+    """Parameter names folded to their modules: ``layers.1.attn.q.weight`` ... -> ``layers.1.*``."""
+    prefixes: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        prefix = ".".join(parts[:2]) + ".*" if len(parts) > 2 else name
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+    return prefixes if as_list else ", ".join(prefixes)
+
+
+def diagnose_on_rank(
+    ctx: Any,
+    target_spec: str,
+    steps: int | None,
+    workdir: str,
+    cache: str | None,
+    progress_path: str | None = None,
+    dst: int = 0,
+) -> DiagnosisReport | None:
+    """Rank body (collective): train the target, compare and diagnose on ``dst``; returns the
+    report there and None on the other ranks."""
+    import torch.distributed as dist
+
+    from reference.cache import cached_reference
+    from reference.record import Record
+
+    from .custom import CustomRun
+    from .diagnose import diagnose
+    from .gather import StageCoverageError
+    from .probe import ProbedStrategy, collect_probe
+    from .run import compare_to_reference, run_strategy
+
+    started = time.monotonic()
+    target = load_target(target_spec)
+    case = target.case if steps is None else target.case.replace(steps=steps)
+    is_dst = ctx.rank == dst
+    findings: list[Diagnosis] = []
+    comparison = record_path = trace_path = None
+    probe = None
+    error = ""
+    if is_dst:
+        _progress(progress_path, f"reference: training {case.name!r} on one device ({case.steps} steps)")
+        cached_reference(case, cache=cache)  # before the ranks start, so its time shows as its own phase
+        _progress(progress_path, f"ranks: training {target.strategy.name if target.strategy else 'custom loop'} on {ctx.world_size} ranks")
+    dist.barrier()
+    if target.strategy is not None:
+        probed = ProbedStrategy(_ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps))
+        try:
+            result = run_strategy(case, probed, ctx, workdir=workdir, cache=cache, dst=dst)
+            comparison, record_path = result.comparison, result.record_path
+            trace_path = getattr(result, "trace_path", None)
+        except StageCoverageError as exc:  # raised on every rank alike (the check is collective)
+            findings.append(
+                Diagnosis(
+                    "pp-stage-coverage",
+                    "pipeline stages do not cover the model exactly once: "
+                    + "; ".join(
+                        p for p in (
+                            f"no stage holds {_modules(exc.missing)}" if exc.missing else "",
+                            f"several stages hold {_modules(exc.duplicated)}" if exc.duplicated else "",
+                        ) if p
+                    ),
+                    {"missing": list(exc.missing), "duplicated": {k: list(v) for k, v in exc.duplicated.items()},
+                     "missing_modules": _modules(exc.missing, as_list=True),
+                     "duplicated_modules": _modules(exc.duplicated, as_list=True)},
+                )
+            )
+            error = str(exc)
+        probe = collect_probe(probed, dst)
+    else:
+        assert target.train is not None
+        record_dir = Path(workdir) / f"custom-{case.name}-w{ctx.world_size}"
+        run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst)
+        try:
+            target.train(ctx, run)
+        except BaseException:
+            if run.recorder is not None:
+                run.finish(complete=False)
+            raise
+        record = run.finish()
+        if is_dst:
+            assert record is not None
+            comparison = compare_to_reference(case, record, cache=cache, label=f"{target.name} on {ctx.world_size} ranks vs reference")
+            record_path = str(record.path)
+    if not is_dst:
+        return None
+    _progress(progress_path, "diagnose: comparing and naming causes")
+    reference = cached_reference(case, cache=cache)
+    actual = Record.load(record_path) if record_path else None
+    trace = None
+    if trace_path:
+        try:
+            from .tracing import RunTrace
+
+            trace = RunTrace.load(trace_path)
+        except (ImportError, OSError, ValueError):
+            trace = None
+    if comparison is not None and actual is not None:
+        findings = diagnose(comparison, reference, actual, trace=trace, findings=findings, probe=probe, case=case)
+    return build_report(
+        target=target, case=case, nproc=ctx.world_size, comparison=comparison, reference=reference, actual=actual,
+        trace=trace, diagnoses=findings, error=error if not findings else "", elapsed_s=time.monotonic() - started,
+    )
+
+
+def _tail(path: str, stop: threading.Event, echo: Callable[[str], None]) -> None:
+    pos = 0
+    while not stop.is_set():
+        try:
+            with open(path) as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+                pos = fh.tell()
+        except FileNotFoundError:
+            chunk = ""
+        for line in chunk.splitlines():
+            echo(f"  {line}")
+        stop.wait(0.2)
+
+
+def diagnose_target(
+    target: str,
+    *,
+    nproc: int | None = None,
+    steps: int | None = None,
+    runner: RankRunner | None = None,
+    timeout: float | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> DiagnosisReport:
+    """Diagnose ``target`` (see :mod:`harness.target`) on ``nproc`` ranks (default: the
+    target's NPROC, else 2) and return the report. ``timeout`` defaults to the target's
+    TIMEOUT, else 300 s. ``echo`` receives progress lines."""
+    say = echo or (lambda line: None)
+    resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
+    world = nproc or resolved.nproc or 2
+    work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-diagnose-")
+    os.makedirs(work, exist_ok=True)
+    progress_path = os.path.join(work, f"progress-{os.getpid()}-{time.monotonic_ns()}.log")
+    say(f"target {resolved.name}: case {resolved.case.name!r}, {world} ranks, {steps or resolved.case.steps} steps")
+    own = runner is None
+    runner = runner or RankRunner()
+    stop = threading.Event()
+    tail = threading.Thread(target=_tail, args=(progress_path, stop, say), daemon=True)
+    tail.start()
+    started = time.monotonic()
+    try:
+        result = runner.run(
+            diagnose_on_rank, nproc=world, timeout=timeout or resolved.timeout or 300.0,
+            kwargs={"target_spec": target, "steps": steps, "workdir": work,
+                    "cache": str(cache) if cache is not None else None, "progress_path": progress_path},
+        )
+        report = result.values.get(0)
+        if not isinstance(report, DiagnosisReport):
+            raise RanksFailed(f"rank 0 returned {type(report).__name__}, not a report", result.outcome)  # type: ignore[arg-type]
+    except RanksHung as exc:
+        report = _hang_report(resolved, world, steps, exc)
+    except RanksFailed as exc:
+        report = build_report(target=resolved, case=resolved.case, nproc=world, error=exc.report, elapsed_s=time.monotonic() - started)
+    finally:
+        stop.set()
+        tail.join(timeout=1)
+        if own:
+            runner.close()
+    report.workdir = work
+    return report
+
+
+def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung) -> DiagnosisReport:
+    diagnoses: list[Diagnosis] = []
+    try:
+        from .tracing import diagnose_hang
+
+        diagnoses = list(diagnose_hang(exc.outcome))
+    except ImportError:
+        pass
+    except Exception as err:  # noqa: BLE001 - the hang report itself must still come out
+        print(f"harness: hang diagnosis failed: {type(err).__name__}: {err}", file=sys.stderr)
+    case = target.case if steps is None else target.case.replace(steps=steps)
+    return build_report(target=target, case=case, nproc=world, diagnoses=diagnoses, hang=True, error=exc.report)
