@@ -37,7 +37,7 @@ from reference.record import Record
 from .codes import Diagnosis
 from .compare import CompareResult, TensorComparison
 
-__all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "verdict_for"]
+__all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "stage_coverage_diagnosis", "verdict_for"]
 
 # A fit actual ~= c * expected is "constant" when the residual is this small relative to the
 # tensor; per dtype because bf16 runs carry ~1e-2 relative noise.
@@ -173,6 +173,8 @@ class Analysis:
         try:
             from . import tracing
         except ImportError:
+            tracing = None
+        if not hasattr(tracing, "check_samples"):
             return self._sample_fallback()
         out: list[Diagnosis] = []
         known = {d.code for d in found}
@@ -476,4 +478,31 @@ def diagnose_result(result: Any) -> list[Diagnosis]:
     return diagnose(
         result.comparison, Record.load(result.reference_path), Record.load(result.record_path),
         trace=trace, probe=getattr(result, "probe", None), case=getattr(result, "case_obj", None),
+    )
+
+
+def _modules(names: Iterable[str]) -> list[str]:
+    """Parameter names folded to their modules: ``layers.1.attn.q.weight`` ... -> ``layers.1.*``."""
+    prefixes: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        prefix = ".".join(parts[:2]) + ".*" if len(parts) > 2 else name
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+    return prefixes
+
+
+def stage_coverage_diagnosis(exc: Any) -> Diagnosis:
+    """``pp-stage-coverage`` from a :class:`harness.gather.StageCoverageError` (which every
+    rank raises alike: the check is collective)."""
+    missing, duplicated = list(exc.missing), {k: list(v) for k, v in exc.duplicated.items()}
+    parts = []
+    if missing:
+        parts.append(f"no stage holds {', '.join(_modules(missing))}")
+    if duplicated:
+        parts.append("several stages hold " + ", ".join(f"{m} (stages {duplicated[n]})" for m, n in zip(_modules(duplicated), duplicated)))
+    return Diagnosis(
+        "pp-stage-coverage",
+        "pipeline stages do not cover the model exactly once: " + "; ".join(parts),
+        {"missing": missing, "duplicated": duplicated, "missing_modules": _modules(missing), "duplicated_modules": _modules(duplicated)},
     )

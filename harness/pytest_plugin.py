@@ -87,9 +87,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--dist-fresh-pool", action="store_true", default=False,
         help="start fresh ranks for every test instead of reusing a warm pool (slow; for isolation)",
     )
+    group.addoption(
+        "--harness-report-dir", default=None, metavar="DIR",
+        help="where failing harness checks write HTML diagnosis reports (default: next to --junitxml, else <rootdir>/harness-reports)",
+    )
+
+
+_REPORT_ENV_KEY = pytest.StashKey["str | None"]()
+
+
+def _report_dir(config: pytest.Config) -> str:
+    """Where failing harness checks write their HTML reports: --harness-report-dir, else next
+    to --junitxml, else <rootdir>/harness-reports."""
+    chosen = config.getoption("harness_report_dir")
+    if chosen:
+        return os.path.abspath(chosen)
+    junit = config.getoption("xmlpath", None)
+    if junit:
+        return os.path.join(os.path.dirname(os.path.abspath(junit)), "harness-reports")
+    return str(config.rootpath / "harness-reports")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Ranks inherit the environment (the fork server starts after this), so checks running on
+    # them know where to write reports.
+    config.stash[_REPORT_ENV_KEY] = os.environ.get("HARNESS_REPORT_DIR")
+    os.environ["HARNESS_REPORT_DIR"] = _report_dir(config)
     config.addinivalue_line(
         "markers",
         f"{MARKER}(nproc=None, timeout=None): run the test body on nproc real ranks "
@@ -105,6 +128,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    previous = config.stash.get(_REPORT_ENV_KEY, None)
+    if previous is None:
+        os.environ.pop("HARNESS_REPORT_DIR", None)
+    else:
+        os.environ["HARNESS_REPORT_DIR"] = previous
     runner = config.stash.get(_RUNNER_KEY, None)
     if runner is not None:
         runner.close()

@@ -63,17 +63,6 @@ def _progress(path: str | None, message: str) -> None:
             fh.write(message + "\n")
 
 
-def _modules(names: Any, as_list: bool = False) -> Any:
-    """Parameter names folded to their modules: ``layers.1.attn.q.weight`` ... -> ``layers.1.*``."""
-    prefixes: list[str] = []
-    for name in names:
-        parts = name.split(".")
-        prefix = ".".join(parts[:2]) + ".*" if len(parts) > 2 else name
-        if prefix not in prefixes:
-            prefixes.append(prefix)
-    return prefixes if as_list else ", ".join(prefixes)
-
-
 def diagnose_on_rank(
     ctx: Any,
     target_spec: str,
@@ -91,7 +80,7 @@ def diagnose_on_rank(
     from reference.record import Record
 
     from .custom import CustomRun
-    from .diagnose import diagnose
+    from .diagnose import diagnose, stage_coverage_diagnosis
     from .gather import StageCoverageError
     from .probe import ProbedStrategy, collect_probe
     from .run import compare_to_reference, run_strategy
@@ -116,21 +105,7 @@ def diagnose_on_rank(
             comparison, record_path = result.comparison, result.record_path
             trace_path = getattr(result, "trace_path", None)
         except StageCoverageError as exc:  # raised on every rank alike (the check is collective)
-            findings.append(
-                Diagnosis(
-                    "pp-stage-coverage",
-                    "pipeline stages do not cover the model exactly once: "
-                    + "; ".join(
-                        p for p in (
-                            f"no stage holds {_modules(exc.missing)}" if exc.missing else "",
-                            f"several stages hold {_modules(exc.duplicated)}" if exc.duplicated else "",
-                        ) if p
-                    ),
-                    {"missing": list(exc.missing), "duplicated": {k: list(v) for k, v in exc.duplicated.items()},
-                     "missing_modules": _modules(exc.missing, as_list=True),
-                     "duplicated_modules": _modules(exc.duplicated, as_list=True)},
-                )
-            )
+            findings.append(stage_coverage_diagnosis(exc))
             error = str(exc)
         probe = collect_probe(probed, dst)
     else:

@@ -266,6 +266,7 @@ class RankWorker:
 
         started = time.monotonic()
         self.state = f"running {task.nodeid}"
+        os.environ["HARNESS_CURRENT_TEST"] = task.nodeid  # harness.testing names its reports by it
         self.first_record_id = flight_recorder.last_record_id()
         capture = _FdCapture(capture_path(self.workdir, self.rank))
         self.capture_path = capture.path

@@ -1,0 +1,141 @@
+"""Diagnosis end to end: every module of the bug catalogue is named with exactly its code,
+correct strategies and the custom-loop example pass, and the reports and CLI keep their
+contract (JSON schema, self-contained HTML, Chrome trace, exit codes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cases.bugs import catalogue
+from cases.targets import DEMO_CORRECT
+from harness.codes import CODES
+from harness.report import SCHEMA, chrome_trace, render_html
+from harness.target import TargetError, load_target
+from harness.target_run import diagnose_target
+
+REPO = Path(__file__).resolve().parents[1]
+BUGS = {module.rsplit(".", 1)[-1]: code for module, code in catalogue().items()}
+
+
+def test_the_catalogue_covers_at_least_15_codes_each_declared_once_per_module() -> None:
+    assert all(code in CODES for code in BUGS.values())
+    assert len(set(BUGS.values())) >= 15, sorted(set(BUGS.values()))
+
+
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_each_bug_case_is_named_with_exactly_its_code(rank_runner, reference_cache, tmp_path, name: str) -> None:
+    report = diagnose_target(name, runner=rank_runner, cache=reference_cache, workdir=tmp_path, timeout=60)
+    assert report.codes == [BUGS[name]], f"{name}: expected [{BUGS[name]}]\n{report.verdict.to_dict()}"
+    assert report.verdict.verdict in ("fail", "hang")
+    assert all(d.evidence for d in report.diagnoses)  # every code comes with evidence
+
+
+@pytest.mark.parametrize("name", DEMO_CORRECT)
+def test_correct_targets_pass_without_a_code(rank_runner, reference_cache, tmp_path, name: str) -> None:
+    report = diagnose_target(name, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    assert report.verdict.verdict == "pass", report.verdict.to_dict()
+    assert report.exit_code == 0
+
+
+BUGGY_CUSTOM_LOOP = '''
+import torch.distributed as dist
+from cases.catalog import mlp_case
+from harness.rank_record import RankLayout
+
+CASE = mlp_case("sgd")
+
+def train(ctx, run):
+    model = CASE.build_model(ctx.device)
+    optimizer = CASE.build_optimizer(model.parameters())
+    run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))
+    for step in range(run.steps):
+        for batch in run.batches(step):
+            loss = CASE.loss_fn(model(batch.inputs), batch.targets)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss, batch.ids)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)          # summed, never divided
+        run.before_step(step)
+        optimizer.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+'''
+
+
+def test_a_custom_loop_with_a_bug_is_diagnosed(rank_runner, reference_cache, tmp_path) -> None:
+    path = tmp_path / "my_loop.py"
+    path.write_text(BUGGY_CUSTOM_LOOP)
+    report = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    assert report.codes == ["grad-not-averaged"]
+    assert report.diagnoses[0].evidence["factor"] == pytest.approx(2.0, rel=1e-3)
+    assert report.target["strategy"] == "custom"
+
+
+def test_reports_keep_their_contract(rank_runner, reference_cache, tmp_path) -> None:
+    report = diagnose_target("unsharded_sampler", runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    data = json.loads(json.dumps(report.to_json()))
+    assert data["schema"] == SCHEMA and data["verdict"] == "fail"
+    assert [d["code"] for d in data["diagnoses"]] == ["duplicate-samples"]
+    assert {"target", "losses", "comparison", "samples", "mesh", "collectives", "timing"} <= set(data)
+    assert len(data["losses"]["reference"]) == len(data["losses"]["parallel"]) == 3
+    assert data["comparison"]["first_divergence"]["step"] == 0
+    assert set(data["samples"]["ranks"]) == {"0", "1"}
+
+    html = render_html(report)
+    assert "<svg" in html and "duplicate-samples" in html
+    assert "src=\"http" not in html and "href=\"http" not in html and "<script src" not in html  # opens offline
+    assert "class='ids dup'" in html  # the duplicated ids are marked in the grid
+
+    trace = chrome_trace(report)
+    assert isinstance(trace["traceEvents"], list)
+    assert trace["otherData"]["codes"] == ["duplicate-samples"]
+
+
+def test_bad_targets_get_errors_that_say_what_is_allowed(tmp_path) -> None:
+    with pytest.raises(TargetError, match="unknown target 'no-such-thing'.*bundled name"):
+        load_target("no-such-thing")
+    with pytest.raises(TargetError, match="does not exist"):
+        load_target(str(tmp_path / "missing.py"))
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    with pytest.raises(TargetError, match="does not define CASE"):
+        load_target(str(empty))
+    with pytest.raises(TargetError, match="has no attribute 'NOPE'"):
+        load_target(f"{REPO / 'cases' / 'custom_example.py'}:NOPE")
+
+
+def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_usage_errors_exit_2() -> None:
+    bad = _cli("diagnose", "no-such-thing")
+    assert bad.returncode == 2 and "unknown target" in bad.stderr
+    assert _cli("diagnose", "ddp", "--nproc", "0").returncode == 2
+    assert _cli().returncode == 2
+
+
+def test_cli_diagnoses_a_file_target_and_writes_every_report(tmp_path) -> None:
+    target = tmp_path / "double.py"
+    target.write_text(textwrap.dedent('''
+        from cases.bugs.double_averaged_ddp import CASE, DoubleAveragedDDP
+        STRATEGY = DoubleAveragedDDP
+    '''))
+    out = _cli("diagnose", f"{target}:STRATEGY", "--steps", "2", "--json", str(tmp_path / "r.json"),
+               "--html", str(tmp_path / "r.html"), "--trace", str(tmp_path / "r.trace.json"), "--cache", str(tmp_path / "cache"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.startswith("FAIL  grad-double-averaged")
+    assert "step 2/2 trained" in out.stderr  # progress per phase and step
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "fail" and data["diagnoses"][0]["code"] == "grad-double-averaged"
+    assert data["target"]["steps"] == 2
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+    assert "traceEvents" in json.loads((tmp_path / "r.trace.json").read_text())
