@@ -90,6 +90,14 @@ def release_test_groups() -> None:
     resources = getattr(mesh_env, "_mesh_resources", None)
     if resources is not None and hasattr(resources, "mesh_stack"):
         resources.mesh_stack.clear()
+    # DTensor's sharding-propagation caches (Python LRU and the C++ fast path) key on specs
+    # whose DeviceMesh compares equal by layout and dim names, not by process group: a later
+    # test's equal mesh would get output specs pointing at this test's destroyed groups
+    # ("Could not resolve the process group registered under the name 3").
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import debug as dtensor_debug
+
+        dtensor_debug._clear_sharding_prop_cache()
     dtensor_random = sys.modules.get("torch.distributed.tensor._random")
     if dtensor_random is not None and hasattr(dtensor_random, "_rng_tracker"):
         dtensor_random._rng_tracker = None

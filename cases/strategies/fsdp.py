@@ -1,0 +1,117 @@
+"""Fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Every rank is a data-parallel replica that holds only a dim-0 shard (a ``DTensor``) of each
+parameter, its gradient and its optimizer state. ``fully_shard`` is applied bottom-up: to each
+transformer block (one all-gather / reduce-scatter group per block), then to the root, which
+takes the remaining parameters (embedding, positions, final norm, head). For models without
+blocks (the two-layer MLP) each direct child that owns parameters is its own group.
+
+FSDP2 reduce-scatters gradients *averaged* over the data-parallel ranks, exactly like DDP, so
+each micro-batch's mean loss is weighted by :meth:`Case.loss_weight` with the dp size. With
+several micro-batches, ``set_requires_gradient_sync(False)`` keeps unsharded gradients local
+until the last one (FSDP2's ``no_sync``): one reduce-scatter per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from harness.parallel_dims import ParallelDims
+from harness.strategy import DistContextLike, RankSetup, StrategyBase
+from reference.case import Batch, Case
+
+__all__ = ["FSDPStrategy", "apply_fsdp", "fsdp_units", "run_accumulating"]
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that get their own ``fully_shard`` group, innermost first: the blocks of
+    a model with a ``layers`` container (``TinyTransformer``), else every direct child that
+    owns parameters. The root is sharded after these and takes what is left."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    units: Callable[[nn.Module], list[nn.Module]] | None = fsdp_units,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """``fully_shard`` each unit of ``model`` (``units(model)``; None: root only), then the
+    root, over the 1-D data-parallel mesh ``dp_mesh``. Parameters that are already DTensors
+    on a sibling mesh (tensor parallelism) become 2-D DTensors. Returns ``model`` (now an
+    ``FSDPModule``)."""
+    if dp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_fsdp shards over a 1-D data-parallel mesh, got a {dp_mesh.ndim}-d mesh "
+            f"{dp_mesh.mesh_dim_names}; pass mesh['dp']"
+        )
+    for unit in units(model) if units is not None else []:
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    # The root's parameters are used first in backward's last step: no point resharding them.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    return model
+
+
+def run_accumulating(case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
+    """Forward/backward over ``micro_batches`` of an FSDP2 root model: gradients stay unsharded
+    and local until the last micro-batch, whose backward reduce-scatters (averaging over dp).
+    Returns each micro-batch's unweighted mean loss where this rank holds the loss."""
+    model = setup.model
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"run_accumulating needs a fully_shard-ed root module, got {type(model).__name__}")
+    losses: list[torch.Tensor | None] = []
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        model.set_requires_gradient_sync(last)
+        loss = case.loss_fn(model(batch.inputs), batch.targets)
+        (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
+        losses.append(loss.detach() if setup.layout.holds_loss else None)
+    return losses
+
+
+class FSDPStrategy(StrategyBase):
+    """FSDP2 over all ranks: one ``fully_shard`` group per block plus the root.
+
+    ``units=None`` shards only the root (one group for the whole model);
+    ``reshard_after_forward=False`` keeps unsharded parameters between forward and backward
+    (ZeRO-2-like)."""
+
+    name = "fsdp"
+
+    def __init__(
+        self,
+        *,
+        units: Callable[[nn.Module], list[nn.Module]] | None = fsdp_units,
+        reshard_after_forward: bool = True,
+    ):
+        self.units = units
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup(self, case: Case, ctx: DistContextLike) -> RankSetup:
+        dims = ParallelDims(dp=ctx.world_size)
+        mesh = dims.build_mesh(ctx.device.type)
+        model = case.build_model(ctx.device)
+        apply_fsdp(model, mesh, units=self.units, reshard_after_forward=self.reshard_after_forward)
+        return RankSetup(
+            model=model,
+            optimizer=case.build_optimizer(model.parameters()),
+            layout=dims.layout(ctx.rank),
+            device=ctx.device,
+            state={"mesh": mesh, "dims": dims},
+        )
+
+    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
+        return run_accumulating(case, setup, micro_batches)
+
+    def __repr__(self) -> str:
+        units = "root only" if self.units is None else getattr(self.units, "__name__", repr(self.units))
+        return f"FSDPStrategy(units={units}, reshard_after_forward={self.reshard_after_forward})"

@@ -1,0 +1,156 @@
+"""Tensor parallelism (Megatron style) with ``torch.distributed.tensor.parallel``.
+
+Each transformer block is split across the ranks of a tensor-parallel mesh:
+
+- attention: ``q``, ``k``, ``v`` are ``ColwiseParallel`` (each rank computes ``heads / tp``
+  whole heads; the attention reads its local head count from the projection width), ``o`` is
+  ``RowwiseParallel`` (it consumes the local heads and all-reduces its partial sums);
+- MLP: ``up`` is ``ColwiseParallel``, ``down`` ``RowwiseParallel``.
+
+Layouts are declared explicitly: the column-parallel layers take the replicated activation and
+leave their output sharded on the last dim (as local tensors, so attention runs unchanged); the
+row-parallel layers take that shard and return a replicated activation. Embedding, positions,
+norms and head stay replicated: every rank computes them on the same batch, and their
+gradients are complete on every rank because DTensor's backward all-reduces the partial input
+gradients of the column-parallel layers.
+
+Every tensor-parallel rank consumes the same batch; only tp rank 0 reports the loss
+(:meth:`ParallelDims.layout`). :func:`apply_tensor_parallel` is the plan alone, usable on a
+pipeline stage (a ``TinyTransformer`` whose ``embed``/``norm``/``head`` may be None and that
+holds only some blocks) or before data parallelism (:mod:`cases.strategies.hybrid`).
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from cases.models import TinyTransformer, TwoLayerMLP
+from harness.parallel_dims import ParallelConfigError, ParallelDims
+from harness.strategy import DistContextLike, RankSetup, StrategyBase
+from reference.case import Batch, Case
+
+__all__ = [
+    "TensorParallelStrategy",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "colwise",
+    "replica_forward_backward",
+    "rowwise",
+    "tensor_parallel_plan",
+]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def colwise() -> ColwiseParallel:
+    """Replicated input -> output sharded on the last dim (a local tensor)."""
+    return ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+
+
+def rowwise() -> RowwiseParallel:
+    """Input sharded on the last dim -> output replicated (all-reduce of the partial sums)."""
+    return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan for ``model``: per block present in ``model.layers``,
+    q/k/v and MLP up column-wise, o and MLP down row-wise; for ``TwoLayerMLP`` fc1 column-wise
+    and fc2 row-wise. Other modules stay replicated."""
+    if isinstance(model, TwoLayerMLP):
+        return {"fc1": colwise(), "fc2": rowwise()}
+    if isinstance(model, TinyTransformer):
+        plan: dict[str, ParallelStyle] = {}
+        for name in model.layers:
+            prefix = f"layers.{name}"
+            plan.update({
+                f"{prefix}.attn.q": colwise(),
+                f"{prefix}.attn.k": colwise(),
+                f"{prefix}.attn.v": colwise(),
+                f"{prefix}.attn.o": rowwise(),
+                f"{prefix}.mlp.up": colwise(),
+                f"{prefix}.mlp.down": rowwise(),
+            })
+        return plan
+    raise TypeError(
+        f"no tensor-parallel plan for {type(model).__name__}; allowed: TinyTransformer (or a "
+        "pipeline stage of one), TwoLayerMLP. For another model call parallelize_module with "
+        "your own plan"
+    )
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Raise :class:`ParallelConfigError` when ``model``'s split dims do not divide by ``tp``:
+    head count, hidden size and MLP width of a ``TinyTransformer``, fc1's width of an MLP."""
+    if isinstance(model, TinyTransformer):
+        ParallelDims(tp=tp).check_model({k: model.config[k] for k in ("heads", "dim", "hidden")})
+    elif isinstance(model, TwoLayerMLP) and model.fc1.out_features % tp:
+        raise ParallelConfigError(f"MLP width fc1.out_features={model.fc1.out_features} is not divisible by tp={tp}")
+
+
+def apply_tensor_parallel(model: M, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle] | None = None) -> M:
+    """Shard ``model`` in place over the 1-D tensor-parallel mesh ``tp_mesh`` (e.g.
+    ``mesh["tp"]``) with :func:`tensor_parallel_plan` (or ``plan``) and return it.
+
+    Works on a pipeline stage: only the blocks it holds are planned, and missing embedding /
+    norm / head are fine. Call it before any data-parallel wrapper (FSDP2, DDP)."""
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_tensor_parallel needs a 1-D tensor-parallel mesh, got a {tp_mesh.ndim}-d mesh "
+            f"{tp_mesh.mesh_dim_names}; pass mesh['tp']"
+        )
+    check_tensor_parallel(model, tp_mesh.size())
+    parallelize_module(model, tp_mesh, plan if plan is not None else tensor_parallel_plan(model))
+    return model
+
+
+def replica_forward_backward(case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
+    """Forward and backward of each micro-batch on the whole model, weighted so that gradients
+    averaged over the layout's dp replicas are those of the global-batch mean loss. Returns the
+    unweighted losses where this rank holds the loss (tp rank 0), else None."""
+    model = setup.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replica_forward_backward needs one nn.Module, got {type(model).__name__}")
+    losses: list[torch.Tensor | None] = []
+    for batch in micro_batches:
+        loss = case.loss_fn(model(batch.inputs), batch.targets)
+        (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
+        losses.append(loss.detach() if setup.layout.holds_loss else None)
+    return losses
+
+
+class TensorParallelStrategy(StrategyBase):
+    """Pure tensor parallelism over all ranks (tp = world size): every rank sees the whole
+    batch and holds ``1/tp`` of each block's attention heads and MLP columns."""
+
+    name = "tp"
+
+    def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        """The plan applied (override to try another one)."""
+        return tensor_parallel_plan(model)
+
+    def setup(self, case: Case, ctx: DistContextLike) -> RankSetup:
+        dims = ParallelDims(tp=ctx.world_size)
+        model = case.build_model(ctx.device)
+        mesh = dims.build_mesh(ctx.device.type)
+        apply_tensor_parallel(model, mesh, self.plan(model))
+        return RankSetup(
+            model=model,
+            optimizer=case.build_optimizer(model.parameters()),
+            layout=dims.layout(ctx.rank),
+            device=ctx.device,
+            state={"mesh": mesh, "dims": dims},
+        )
+
+    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
+        return replica_forward_backward(case, setup, micro_batches)
