@@ -8,9 +8,13 @@ from collections.abc import Callable
 
 from harness.target import Target
 
-from .catalog import mlp_case
+from .catalog import mlp_case, transformer_case
 from .strategies.ddp import DDPStrategy
+from .strategies.fsdp import FSDPStrategy
+from .strategies.hybrid import DDPTensorParallelStrategy, FSDPTensorParallelStrategy
 from .strategies.manual_tp import ManualTensorParallel
+from .strategies.pipeline import PipelineStrategy
+from .strategies.tp import TensorParallelStrategy
 
 __all__ = ["DEMO_CORRECT", "TARGETS"]
 
@@ -29,6 +33,45 @@ def _manual_tp() -> Target:
                   description="hand-written Megatron tensor parallelism on the MLP (annotate_shard)")
 
 
+def _fsdp() -> Target:
+    return Target("fsdp", transformer_case(), FSDPStrategy(), nproc=2, description="FSDP2 fully_shard per block + root on the tiny transformer")
+
+
+def _tp() -> Target:
+    return Target("tp", transformer_case(), TensorParallelStrategy(), nproc=2,
+                  description="parallelize_module: q/k/v/up colwise, o/down rowwise, heads split over 2 ranks")
+
+
+def _tp_dropout() -> Target:
+    return Target("tp-dropout", transformer_case(dropout=0.1), TensorParallelStrategy(), nproc=2,
+                  description="tensor parallelism with dropout on: TP peers draw the same masks as the reference")
+
+
+def _gpipe() -> Target:
+    return Target("gpipe", transformer_case(micro_batches=4), PipelineStrategy("gpipe"), nproc=2,
+                  description="torch.distributed.pipelining GPipe, 2 stages, 4 micro-batches")
+
+
+def _one_f_one_b() -> Target:
+    return Target("1f1b", transformer_case(micro_batches=4), PipelineStrategy("1f1b"), nproc=2,
+                  description="torch.distributed.pipelining 1F1B, 2 stages, 4 micro-batches")
+
+
+def _dp_tp() -> Target:
+    return Target("dp-tp", transformer_case(), DDPTensorParallelStrategy(tp=2), nproc=4,
+                  description="2-D mesh dp=2 x tp=2 (replicate over dp, parallelize_module over tp)")
+
+
+def _fsdp_tp() -> Target:
+    return Target("fsdp-tp", transformer_case(), FSDPTensorParallelStrategy(tp=2), nproc=4,
+                  description="2-D mesh: FSDP2 over dp=2, tensor parallelism over tp=2")
+
+
+def _dp_pp() -> Target:
+    return Target("dp-pp", transformer_case(micro_batches=2), PipelineStrategy("gpipe", pp=2), nproc=4,
+                  description="2-D mesh dp=2 x pp=2: GPipe stages, FSDP2 over each stage's replicas")
+
+
 def _custom_example() -> Target:
     from harness.target import target_from_module
 
@@ -42,6 +85,14 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "ddp-accumulation": _ddp_accumulation,
     "manual-tp": _manual_tp,
     "custom-example": _custom_example,
+    "fsdp": _fsdp,
+    "tp": _tp,
+    "tp-dropout": _tp_dropout,
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "dp-tp": _dp_tp,
+    "fsdp-tp": _fsdp_tp,
+    "dp-pp": _dp_pp,
 }
 
-DEMO_CORRECT: list[str] = ["ddp", "ddp-accumulation", "manual-tp", "custom-example"]
+DEMO_CORRECT: list[str] = ["ddp", "ddp-accumulation", "fsdp", "tp", "tp-dropout", "gpipe", "1f1b", "manual-tp", "custom-example", "fsdp-tp"]
