@@ -198,7 +198,9 @@ def diagnose_target(
     except RanksHung as exc:
         report = _hang_report(resolved, world, steps, exc)
     except RanksFailed as exc:
-        report = build_report(target=resolved, case=resolved.case, nproc=world, error=exc.report, elapsed_s=time.monotonic() - started)
+        case = resolved.case if steps is None else resolved.case.replace(steps=steps)
+        report = build_report(target=resolved, case=case, nproc=world, diagnoses=_failure_diagnoses(exc),
+                              error=exc.report, elapsed_s=time.monotonic() - started)
     finally:
         stop.set()
         tail.join(timeout=1)
@@ -208,15 +210,52 @@ def diagnose_target(
     return report
 
 
-def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung) -> DiagnosisReport:
-    diagnoses: list[Diagnosis] = []
+_BACKEND_MISMATCH = ("collective mismatch", "doesn't match expected size", "does not match expected size")
+
+
+def _failure_diagnoses(exc: RanksFailed) -> list[Diagnosis]:
+    """A rank died or raised: name a collective mismatch when the surviving ranks' traces or
+    the backend's own abort message show one (gloo aborts on a size mismatch)."""
+    found = _hang_diagnoses(exc.outcome)
+    if found:
+        return found
+    outcome = exc.outcome
+    texts = {r: log for r, log in getattr(outcome, "death_logs", {}).items()}
+    texts.update({r: res.longrepr or res.message for r, res in getattr(outcome, "results", {}).items() if res.outcome == "failed"})
+    for rank, text in sorted(texts.items()):
+        line = next((ln.strip() for ln in (text or "").splitlines() if any(m in ln for m in _BACKEND_MISMATCH)), "")
+        if line:
+            return [Diagnosis(
+                "collective-mismatch",
+                f"rank {rank} aborted in the backend on a collective whose size differs between ranks: {line[-200:]}",
+                {"rank": rank, "backend_message": line[-500:], "death": getattr(outcome, "deaths", {}).get(rank, ""),
+                 "likely_source": "ranks issued collectives in different orders or with different shapes at the same position"},
+            )]
+    return []
+
+
+def _hang_diagnoses(outcome: Any) -> list[Diagnosis]:
     try:
         from .tracing import diagnose_hang
 
-        diagnoses = list(diagnose_hang(exc.outcome))
+        found = list(diagnose_hang(outcome))
     except ImportError:
-        pass
-    except Exception as err:  # noqa: BLE001 - the hang report itself must still come out
+        return []
+    except Exception as err:  # noqa: BLE001 - the report itself must still come out
         print(f"harness: hang diagnosis failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return []
+    # One finding per code: later ones are consequences of the first (the rank that never
+    # came is blocked elsewhere); keep them as related evidence.
+    out: list[Diagnosis] = []
+    for d in found:
+        first = next((o for o in out if o.code == d.code), None)
+        if first is None:
+            out.append(d)
+        else:
+            first.evidence.setdefault("related", []).append(d.summary)
+    return out
+
+
+def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung) -> DiagnosisReport:
     case = target.case if steps is None else target.case.replace(steps=steps)
-    return build_report(target=target, case=case, nproc=world, diagnoses=diagnoses, hang=True, error=exc.report)
+    return build_report(target=target, case=case, nproc=world, diagnoses=_hang_diagnoses(exc.outcome), hang=True, error=exc.report)
