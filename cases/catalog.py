@@ -50,8 +50,10 @@ def mlp_case(
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over every position of every sequence."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    """Mean next-token cross entropy over every position of every sequence, in float32 for
+    16-bit logits and in float64 for float64 ones (``.float()`` would round a float64 run's loss
+    to float32, 1e-7 relative noise, above float64 tolerances)."""
+    return F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
 
 
 def transformer_case(

@@ -47,7 +47,11 @@ class CustomRun:
     """The harness's side of a custom loop on one rank (all hooks are collective except
     :meth:`loss`, :meth:`batches` and :meth:`shard`)."""
 
-    def __init__(self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0):
+    def __init__(
+        self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0, tracer: Any = None
+    ):
+        self.tracer = tracer  # a harness.tracing.Tracer: samples, groups and collectives of the loop
+        self._traced_step: int | None = None
         self.case = case
         self.ctx = ctx
         self.record_path = record_path
@@ -68,10 +72,24 @@ class CustomRun:
             raise RecorderError("run.watch() was called twice; call it once, after building the model and optimizer")
         self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
         self.model = model
-        self.recorder = RankRecorder(
-            self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
-            source="custom", dst=self.dst, overwrite=True,
-        )
+        if self.tracer is not None:
+            self.tracer.describe(layout=self.layout, model=model)
+        with self._harness_phase():
+            self.recorder = RankRecorder(
+                self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
+                source="custom", dst=self.dst, overwrite=True,
+            )
+
+    def _harness_phase(self) -> Any:
+        import contextlib
+
+        return self.tracer.phase("harness") if self.tracer is not None else contextlib.nullcontext()
+
+    def _step(self, step: int) -> None:
+        if self.tracer is not None and self._traced_step != step:
+            self._traced_step = step
+            self.tracer.begin_step(step)
+            self.tracer.set_phase("train")
 
     def _rec(self, hook: str) -> RankRecorder:
         if self.recorder is None:
@@ -99,6 +117,9 @@ class CustomRun:
         """Local: this rank consumed ``sample_ids`` in its next micro-batch, with ``loss`` the
         unweighted mean loss over them (None on ranks that compute no loss)."""
         self._rec("loss").micro_batch(step, loss, sample_ids)
+        self._step(step)
+        if self.tracer is not None:
+            self.tracer.record_samples(step, sample_ids)
 
     def shard(self, tensor: torch.Tensor, dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
         """Declare a hand-sharded tensor: this rank holds its slice along ``dim`` among the
@@ -107,11 +128,18 @@ class CustomRun:
 
     def before_step(self, step: int) -> None:
         """Collective: call just before ``optimizer.step()`` (records full gradients)."""
-        self._rec("before_step").grads(step)
+        rec = self._rec("before_step")
+        self._step(step)
+        with self._harness_phase():
+            rec.grads(step)
 
     def after_step(self, step: int) -> None:
         """Collective: call just after ``optimizer.step()`` (parameters, optimizer state)."""
-        self._rec("after_step").after_step(step)
+        rec = self._rec("after_step")
+        with self._harness_phase():
+            rec.after_step(step)
+        if self.tracer is not None:
+            self.tracer.set_phase("train")
 
     def finish(self, *, complete: bool = True) -> Any:
         if self.recorder is None:

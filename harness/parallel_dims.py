@@ -8,7 +8,6 @@ are in the mesh, so ``ParallelDims(dp=2, tp=2)`` is a 2x2 mesh named ``("dp", "t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any

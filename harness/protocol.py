@@ -67,6 +67,13 @@ class CollectiveEntry:
     input_sizes: list
     state: str
     call_site: str  # first frame outside torch / the harness, "file:line in fn"
+    # Added by harness.tracing (Python-side hooks): what Flight Recorder does not record.
+    dtypes: list = field(default_factory=list)
+    reduce_op: str = ""  # "sum", "avg", ... ("" unknown / not a reduction)
+    is_p2p: bool = False
+    peer: int | None = None  # global rank of a p2p op's peer (None: any source)
+    tag: int = 0
+    time_ns: int = 0  # wall clock when issued
 
 
 @dataclass

@@ -11,7 +11,7 @@ import os
 
 from harness import flight_recorder
 from harness.launcher import RunOutcome
-from harness.protocol import RankDump
+from harness.protocol import CollectiveEntry, RankDump
 
 MAX_COLLECTIVES_SHOWN = 8
 
@@ -29,6 +29,17 @@ def _short_path(site: str) -> str:
     return f"{path}:{rest}"
 
 
+def _number(entry: CollectiveEntry) -> str:
+    """'#3' for a collective, 'p2p#2 from rank 0' for a point-to-point op."""
+    if not getattr(entry, "is_p2p", False) and entry.seq_id:
+        return f"#{entry.seq_id}"
+    peer = getattr(entry, "peer", None)
+    if peer is None:
+        return f"p2p#{entry.p2p_seq_id}"
+    arrow = "to" if entry.op.startswith(("send", "isend")) else "from"
+    return f"p2p#{entry.p2p_seq_id} {arrow} rank {peer}"
+
+
 def where(dump: RankDump | None) -> str:
     """'in all_reduce #3 on pg 0:default_pg ranks=[0, 1] at test_x.py:12 in test_hang'."""
     if dump is None:
@@ -40,9 +51,8 @@ def where(dump: RankDump | None) -> str:
     detail = ""
     if last is not None and (not op or last.op == op or op in ("wait", "barrier")):
         op = op or last.op
-        seq = f"#{last.seq_id}" if last.seq_id else f"p2p#{last.p2p_seq_id}"
         ranks = f" ranks={last.group_ranks}" if last.group_ranks is not None else ""
-        detail = f" {seq} on pg {last.process_group}{ranks}"
+        detail = f" {_number(last)} on pg {last.process_group}{ranks}"
     site = _short_path(dump.user_site or (last.call_site if last else ""))
     if op:
         return f"in {op}{detail} at {site}" if site else f"in {op}{detail}"
@@ -85,7 +95,7 @@ def _rank_line(outcome: RunOutcome, rank: int) -> str:
         if finished.collectives:
             last = finished.collectives[-1]
             line += (
-                f", finished its test body; its last collective was {last.op} #{last.seq_id} "
+                f", finished its test body; its last collective was {last.op} {_number(last)} "
                 f"at {_short_path(last.call_site)}"
             )
         else:
@@ -119,6 +129,17 @@ def _dump_details(dumps: dict[int, RankDump | None]) -> list[str]:
     return lines
 
 
+def _hang_diagnosis(outcome: RunOutcome) -> list[str]:
+    """The named cause, from the ranks' collective traces (harness.tracing.diagnose_hang):
+    'rank 1 is in all_reduce #17 at model.py:42; rank 0 is in broadcast #17 at train.py:88'."""
+    try:
+        from harness.tracing import hang_lines
+    except Exception as exc:  # noqa: BLE001 - the stacks below must still be reported
+        return [f"(hang diagnosis unavailable: {type(exc).__name__}: {exc})"]
+    found = hang_lines(outcome)
+    return [f"DIAGNOSIS {line}" for line in found]
+
+
 def format_failure(outcome: RunOutcome) -> str:
     n = outcome.nproc
     lines: list[str] = []
@@ -128,6 +149,7 @@ def format_failure(outcome: RunOutcome) -> str:
             "(--dist-timeout, or timeout= on the distributed marker). Each rank's stack and last "
             "collectives were collected, then the ranks' process trees were killed."
         )
+        lines.extend(_hang_diagnosis(outcome))
         for rank in range(n):
             if rank in outcome.aborted:
                 lines.append(f"rank {rank}: {where(outcome.aborted[rank])}")

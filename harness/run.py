@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from .compare import CompareResult, compare
 from .rank_record import RankRecorder
 from .strategy import DistContextLike, Strategy
 from .tolerance import DefaultTolerances, TolerancePolicy, calibrate
+from .tracing import Tracer
+from .tracing.trace import TRACE_FILE
 
 __all__ = ["RunError", "RunResult", "compare_to_reference", "resolve_tolerance", "run_strategy", "train_strategy"]
 
@@ -41,16 +44,24 @@ class RunResult:
     comparison: CompareResult
     reference_path: str
     record_path: str
+    trace_path: str = ""  # <record_path>/trace.json: every rank's collectives, groups, samples
 
     @property
     def passed(self) -> bool:
         return self.comparison.passed
 
     def summary(self) -> str:
+        trace = f"\n  trace:            {self.trace_path}" if self.trace_path else ""
         return (
             f"{self.comparison.summary()}\n  reference record: {self.reference_path}\n"
-            f"  parallel record:  {self.record_path}"
+            f"  parallel record:  {self.record_path}{trace}"
         )
+
+
+def trace_parts_dir(record_path: str | os.PathLike[str]) -> Path:
+    """Where ranks of a failed run write their own trace (``rank<N>.json``), beside the record."""
+    path = Path(record_path)
+    return path.with_name(path.name + ".trace")
 
 
 def train_strategy(
@@ -61,13 +72,23 @@ def train_strategy(
     *,
     dst: int = 0,
     check_replicas: bool = True,
+    trace: bool = True,
 ) -> Record | None:
     """Collective: train ``case`` with ``strategy`` on every rank, recording each step.
-    Returns the record on ``dst`` (which needs ``record_path``), None elsewhere."""
+    Returns the record on ``dst`` (which needs ``record_path``), None elsewhere.
+
+    With ``trace`` (default) every rank's collectives, groups, parameter shapes and samples
+    are traced (:mod:`harness.tracing`) and written to ``<record>/trace.json``; when training
+    fails, each rank that knows ``record_path`` writes its own part to
+    ``<record_path>.trace/rank<N>.json`` instead (``RunTrace.load`` reads either)."""
     case.validate()
     case.check_model_factory()
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
+    tracer = Tracer(name=f"{strategy.name}-{case.name}") if trace else None
     setup = strategy.setup(case, ctx)
+    if tracer is not None:
+        tracer.describe(layout=setup.layout, model=setup.model, state=setup.state)
+        tracer.set_phase("harness")
     recorder = RankRecorder(
         record_path if ctx.rank == dst else None, case, setup.model, setup.optimizer, setup.layout,
         source=f"strategy:{strategy.name}", dst=dst, check_replicas=check_replicas, overwrite=True,
@@ -75,6 +96,9 @@ def train_strategy(
     torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
     try:
         for step in range(case.steps):
+            if tracer is not None:
+                tracer.begin_step(step)
+                tracer.set_phase("train")
             batches = strategy.local_batches(case, setup, step)
             losses = strategy.forward_backward(case, setup, batches)
             if len(losses) != len(batches):
@@ -84,14 +108,28 @@ def train_strategy(
                 )
             for batch, loss in zip(batches, losses):
                 recorder.micro_batch(step, loss, batch.ids)
-            recorder.grads(step)
+                if tracer is not None:
+                    tracer.record_samples(step, batch.ids)
+            with tracer.phase("harness") if tracer is not None else contextlib.nullcontext():
+                recorder.grads(step)
             strategy.optimizer_step(case, setup)
-            recorder.after_step(step)
+            with tracer.phase("harness") if tracer is not None else contextlib.nullcontext():
+                recorder.after_step(step)
             setup.optimizer.zero_grad(set_to_none=True)
     except BaseException:
         recorder.finish(complete=False)  # keep what was recorded
+        if tracer is not None and record_path is not None:
+            try:  # the ranks may no longer be in step: each writes its own part
+                tracer.save_part(trace_parts_dir(record_path))
+            except Exception:  # noqa: BLE001 - the training error is what the user must see
+                pass
         raise
-    return recorder.finish()
+    record = recorder.finish()
+    if tracer is not None:
+        run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": strategy.name})
+        if run_trace is not None and record is not None:
+            run_trace.save(Path(record.path) / TRACE_FILE)
+    return record
 
 
 def resolve_tolerance(
@@ -140,12 +178,14 @@ def run_strategy(
     cache: str | os.PathLike[str] | None = None,
     steps: int | None = None,
     dst: int = 0,
+    trace: bool = True,
 ) -> RunResult:
     """Collective: train ``strategy`` on every rank, train (or load) the reference on ``dst``,
     compare them there, and return the result on every rank.
 
     ``workdir`` receives the parallel record (default: a new temporary directory); ``cache``
-    holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``)."""
+    holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``);
+    ``trace`` writes every rank's trace beside the record (``RunResult.trace_path``)."""
     if steps is not None:
         case = case.replace(steps=steps)
     if not isinstance(strategy, Strategy):
@@ -155,10 +195,10 @@ def run_strategy(
             "(subclass harness.strategy.StrategyBase and implement setup and forward_backward)"
         )
     record_path = None
-    if ctx.rank == dst:
+    if ctx.rank == dst or workdir is not None:  # every rank that knows it can save its trace part
         base = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
         record_path = base / f"{strategy.name}-{case.name}-w{ctx.world_size}"
-    record = train_strategy(case, strategy, ctx, record_path, dst=dst)
+    record = train_strategy(case, strategy, ctx, record_path, dst=dst, trace=trace)
     payload: tuple[str, object] = ("ok", None)
     error: BaseException | None = None
     if ctx.rank == dst:
@@ -166,7 +206,11 @@ def run_strategy(
         try:
             label = f"{strategy.name} on {ctx.world_size} ranks vs reference, case {case.name!r}"
             comparison = compare_to_reference(case, record, tolerance=tolerance, cache=cache, label=label)
-            payload = ("ok", RunResult(case.name, strategy.name, ctx.world_size, comparison, comparison.reference, str(record.path)))
+            trace_file = Path(record.path) / TRACE_FILE
+            payload = ("ok", RunResult(
+                case.name, strategy.name, ctx.world_size, comparison, comparison.reference, str(record.path),
+                trace_path=str(trace_file) if trace_file.is_file() else "",
+            ))
         except Exception as exc:  # every rank must learn of it, not only dst
             error = exc
             payload = ("error", f"{type(exc).__name__}: {exc}")

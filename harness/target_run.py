@@ -74,6 +74,7 @@ def diagnose_on_rank(
 ) -> DiagnosisReport | None:
     """Rank body (collective): train the target, compare and diagnose on ``dst``; returns the
     report there and None on the other ranks."""
+    import torch
     import torch.distributed as dist
 
     from reference.cache import cached_reference
@@ -111,7 +112,15 @@ def diagnose_on_rank(
     else:
         assert target.train is not None
         record_dir = Path(workdir) / f"custom-{case.name}-w{ctx.world_size}"
-        run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst)
+        try:
+            from .tracing import Tracer
+            from .tracing.trace import TRACE_FILE
+
+            tracer = Tracer(name=f"custom-{case.name}")
+        except ImportError:
+            tracer = None
+        run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer)
+        torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
         try:
             target.train(ctx, run)
         except BaseException:
@@ -119,10 +128,13 @@ def diagnose_on_rank(
                 run.finish(complete=False)
             raise
         record = run.finish()
+        run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": "custom"}) if tracer is not None else None
         if is_dst:
             assert record is not None
             comparison = compare_to_reference(case, record, cache=cache, label=f"{target.name} on {ctx.world_size} ranks vs reference")
             record_path = str(record.path)
+            if run_trace is not None:
+                trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE))
     if not is_dst:
         return None
     _progress(progress_path, "diagnose: comparing and naming causes")

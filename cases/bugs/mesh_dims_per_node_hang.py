@@ -17,7 +17,7 @@ from ._manual_dp import ManualDataParallel
 
 EXPECTED_CODE = "collective-missing"
 NPROC = 4
-TIMEOUT = 20
+TIMEOUT = 12
 CASE = mlp_case("adamw", steps=2)
 
 

@@ -14,7 +14,7 @@ from cases.strategies.ddp import DDPStrategy
 
 EXPECTED_CODE = "collective-missing"
 NPROC = 2
-TIMEOUT = 15
+TIMEOUT = 10
 CASE = mlp_case("adamw", steps=2)
 
 

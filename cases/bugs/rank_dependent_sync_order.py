@@ -16,7 +16,7 @@ from ._manual_dp import ManualDataParallel
 
 EXPECTED_CODE = "collective-mismatch"
 NPROC = 2
-TIMEOUT = 15
+TIMEOUT = 10
 CASE = mlp_case("adamw", steps=2)
 
 

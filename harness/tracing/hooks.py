@@ -1,0 +1,329 @@
+"""Python-side collective hooks: what Flight Recorder does not record.
+
+PyTorch's Flight Recorder (FR) records every collective a process group runs, the C++-issued
+ones too (DDP's reducer, DTensor's functional collectives), with op, sequence number, shapes,
+dtypes and the Python stack. It does not record, on gloo, any point-to-point op (send / recv /
+``batch_isend_irecv``, which pipelining runs on), nor the peer of a p2p op or the reduce op of a
+collective anywhere. These hooks add exactly that: every ``ProcessGroup`` method called from
+Python (``torch.distributed``'s functions, FSDP2, pipelining, DeviceMesh) is wrapped once per
+process; each call appends one :class:`PyCall` (op, group, peer, tag, shapes, dtypes, reduce op,
+the first call site outside torch and the harness, and the wall-clock window of the call) to a
+ring buffer. :mod:`harness.tracing.collectives` pairs them with FR's entries by process group
+and time (FR's ``time_created_ns`` falls inside the call's window).
+
+The cost is one Python function call, two ``time.time_ns()`` and a cached frame walk per
+collective (a few microseconds; see ``tests/bench/bench_tracing.py``); nothing is added to
+collectives issued from C++.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "DEFAULT_LOG_SIZE",
+    "PyCall",
+    "calls_since",
+    "call_site",
+    "group_info",
+    "install",
+    "installed",
+    "mark",
+    "total_calls",
+]
+
+DEFAULT_LOG_SIZE = 50_000
+
+# ProcessGroup method -> (canonical op, index of the argument holding this rank's input
+# tensors, p2p direction or "").
+_METHODS: dict[str, tuple[str, int, str]] = {
+    "allreduce": ("all_reduce", 0, ""),
+    "allreduce_coalesced": ("all_reduce_coalesced", 0, ""),
+    "broadcast": ("broadcast", 0, ""),
+    "allgather": ("all_gather", 1, ""),
+    "_allgather_base": ("all_gather_into_tensor", 1, ""),
+    "all_gather_single": ("all_gather_into_tensor", 1, ""),
+    "allgather_coalesced": ("all_gather_coalesced", 1, ""),
+    "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 1, ""),
+    "reduce": ("reduce", 0, ""),
+    "gather": ("gather", 1, ""),
+    "scatter": ("scatter", 0, ""),
+    "reduce_scatter": ("reduce_scatter", 1, ""),
+    "_reduce_scatter_base": ("reduce_scatter_tensor", 1, ""),
+    "reduce_scatter_single": ("reduce_scatter_tensor", 1, ""),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 1, ""),
+    "alltoall": ("all_to_all", 1, ""),
+    "alltoall_base": ("all_to_all_single", 1, ""),
+    "all_to_all_single": ("all_to_all_single", 1, ""),
+    "barrier": ("barrier", -1, ""),
+    "send": ("send", 0, "send"),
+    "recv": ("recv", 0, "recv"),
+    "recv_anysource": ("recv", 0, "recv"),
+}
+
+
+@dataclass
+class PyCall:
+    """One ``ProcessGroup`` method call seen from Python.
+
+    ``t0_ns`` / ``t1_ns`` bracket the call (``time.time_ns()``, the clock FR's
+    ``time_created_ns`` uses). ``peer`` is the peer's *global* rank for p2p ops (None for a
+    receive from any source); ``p2p_seq`` counts this rank's ops of that direction towards that
+    peer on that group, from 1."""
+
+    index: int
+    op: str
+    pg_name: str
+    t0_ns: int
+    t1_ns: int
+    shapes: list[list[int]] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    peer: int | None = None
+    tag: int = 0
+    p2p_seq: int = 0
+    call_site: str = ""
+    _reduce: str = ""
+
+    @property
+    def reduce_op(self) -> str:
+        """"sum", "avg", "max", ... ("" for ops that do not reduce or when unknown)."""
+        return self._reduce
+
+
+_LOG: deque[tuple] = deque(maxlen=DEFAULT_LOG_SIZE)  # raw tuples, see _log / _to_call
+_COUNTER = itertools.count(1)
+_LAST_INDEX = 0
+_P2P_COUNTS: dict[tuple[str, str, int | None, int], int] = {}
+_GROUPS: dict[str, tuple[list[int], str]] = {}
+_LOCK = threading.Lock()
+_INSTALLED = False
+_LIBRARY_CODE: dict[Any, bool] = {}
+# torch.Tensor's isinstance goes through a Python metaclass hook (microseconds); its C base
+# class answers the same question at C speed.
+_TENSOR = getattr(torch._C, "TensorBase", torch.Tensor)
+# Arguments that are data, never the options holding a reduce op (and must not be kept alive).
+_NOT_OPTIONS = (_TENSOR, list, tuple)
+
+
+def installed() -> bool:
+    return _INSTALLED
+
+
+def total_calls() -> int:
+    """How many calls have been logged in this process (the ring buffer keeps the newest)."""
+    return _LAST_INDEX
+
+
+def mark() -> int:
+    """An opaque position: :func:`calls_since` with it returns the calls made after now."""
+    return _LAST_INDEX
+
+
+def calls_since(position: int = 0) -> list[PyCall]:
+    """Logged calls newer than ``position`` (oldest first)."""
+    raw = list(_LOG)  # a snapshot (deque iteration is not safe against concurrent appends)
+    return [_to_call(r) for r in raw if r[0] > position]
+
+
+def group_info(pg_name: str) -> tuple[list[int], str] | None:
+    """(global ranks, description) of a process group of this process, by its name: one the
+    hooks have seen, else one c10d still knows (groups used only from C++, e.g. by DDP)."""
+    found = _GROUPS.get(pg_name)
+    if found is not None:
+        return found
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        for pg, name in list(c10d._world.pg_names.items()):
+            if name == pg_name:
+                _pg_name(pg)
+                return _GROUPS.get(pg_name)
+    except Exception:  # noqa: BLE001 - torch without distributed, or no group yet
+        return None
+    return None
+
+
+def _is_library(code: Any) -> bool:
+    known = _LIBRARY_CODE.get(code)
+    if known is None:
+        from harness.flight_recorder import is_library_frame
+
+        known = _LIBRARY_CODE[code] = is_library_frame(code.co_filename)
+    return known
+
+
+def call_site(depth: int = 1) -> str:
+    """``file:line in fn`` of the innermost frame outside torch, the harness and the stdlib."""
+    frame = sys._getframe(depth)
+    innermost = frame
+    while frame is not None and _is_library(frame.f_code):
+        frame = frame.f_back
+    if frame is None:
+        frame = innermost
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, _TENSOR):
+        return [value]
+    out: list[Any] = []
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            out.extend(_tensors(item))
+    return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _reduce_op(candidates: tuple) -> str:
+    """The reduce op among a call's option arguments (options object, ReduceOp or RedOpType)."""
+    for value in candidates:
+        op = getattr(value, "reduceOp", None)  # AllreduceOptions, ReduceOptions, ...
+        if op is None and type(value).__name__ in ("ReduceOp", "RedOpType"):
+            op = value
+        if op is not None:
+            inner = getattr(op, "op", op)  # ReduceOp -> RedOpType
+            return str(getattr(inner, "name", inner)).lower()
+    return ""
+
+
+def _ranks_of(pg: Any) -> list[int]:
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        mapping = c10d._world.pg_group_ranks.get(pg)
+    except Exception:  # noqa: BLE001 - a diagnostic aid must never break the call
+        mapping = None
+    if mapping:
+        return [g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+    try:
+        return list(range(pg.size()))
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _pg_name(pg: Any) -> str:
+    try:
+        name = pg.group_name
+    except Exception:  # noqa: BLE001
+        name = str(id(pg))
+    if name not in _GROUPS:
+        try:
+            desc = pg.group_desc
+        except Exception:  # noqa: BLE001
+            desc = ""
+        _GROUPS[name] = (_ranks_of(pg), desc)
+    return name
+
+
+def _wrap(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    op, input_index, direction = _METHODS[method]
+
+    def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.time_ns()
+        result = original(self, *args, **kwargs)
+        t1 = time.time_ns()
+        try:
+            _log(self, op, input_index, direction, method, args, kwargs, t0, t1)
+        except Exception:  # noqa: BLE001 - tracing must never break the user's collective
+            pass
+        return result
+
+    traced.__name__ = method
+    traced.__qualname__ = f"ProcessGroup.{method}"
+    traced.__doc__ = original.__doc__
+    traced.__wrapped__ = original  # type: ignore[attr-defined]
+    return traced
+
+
+def _log(
+    pg: Any, op: str, input_index: int, direction: str, method: str, args: tuple, kwargs: dict, t0: int, t1: int
+) -> None:
+    """The hot path: append one raw tuple (no strings formatted, no tensors kept)."""
+    global _LAST_INDEX
+    name = _pg_name(pg)
+    tensors = _tensors(args[input_index]) if 0 <= input_index < len(args) else ()
+    frame = sys._getframe(2)  # _log <- traced <- the torch.distributed function
+    innermost = frame
+    while frame is not None and _is_library(frame.f_code):
+        frame = frame.f_back
+    if frame is None:
+        frame = innermost
+    extra: Any = None
+    if direction:
+        ranks = _GROUPS[name][0]
+        if method == "recv_anysource":
+            group_peer, tag = None, int(args[1]) if len(args) > 1 else 0
+        else:
+            group_peer = int(args[1]) if len(args) > 1 else None
+            tag = int(args[2]) if len(args) > 2 else 0
+        peer = ranks[group_peer] if group_peer is not None and group_peer < len(ranks) else group_peer
+        key = (name, direction, peer, tag)
+        with _LOCK:
+            seq = _P2P_COUNTS[key] = _P2P_COUNTS.get(key, 0) + 1
+        extra = (peer, tag, seq)
+    elif op.startswith(("all_reduce", "reduce")):
+        # Reading a ReduceOp out of its pybind options object costs microseconds: keep the
+        # options (never the tensors) and read them when the log is read.
+        extra = tuple(v for v in (*args[1:], *kwargs.values()) if not isinstance(v, _NOT_OPTIONS))
+    index = _LAST_INDEX = next(_COUNTER)
+    _LOG.append((index, op, name, t0, t1, [t.shape for t in tensors], [t.dtype for t in tensors],
+                 frame.f_code, frame.f_lineno, direction, extra))
+
+
+def _to_call(raw: tuple) -> PyCall:
+    index, op, name, t0, t1, shapes, dtypes, code, lineno, direction, extra = raw
+    call = PyCall(
+        index=index, op=op, pg_name=name, t0_ns=t0, t1_ns=t1,
+        shapes=[list(s) for s in shapes], dtypes=[_dtype_name(d) for d in dtypes],
+        call_site=f"{code.co_filename}:{lineno} in {code.co_name}",
+    )
+    if direction:
+        call.peer, call.tag, call.p2p_seq = extra
+    elif extra is not None:
+        call._reduce = _reduce_op(extra)
+    return call
+
+
+def install(log_size: int | None = None) -> None:
+    """Wrap ``ProcessGroup``'s collective and p2p methods in this process (idempotent).
+
+    ``log_size`` resizes the ring buffer (default :data:`DEFAULT_LOG_SIZE` calls)."""
+    global _INSTALLED, _LOG
+    if log_size is not None and log_size != _LOG.maxlen:
+        with _LOCK:
+            _LOG = deque(_LOG, maxlen=log_size)
+    if _INSTALLED:
+        return
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for method in _METHODS:
+        original = getattr(ProcessGroup, method, None)  # callable with an explicit self
+        if original is None or hasattr(original, "__wrapped__"):
+            continue
+        traced = _wrap(method, original)
+        traced._harness_raw = ProcessGroup.__dict__.get(method, original)  # type: ignore[attr-defined]
+        setattr(ProcessGroup, method, traced)
+    _INSTALLED = True
+
+
+def uninstall() -> None:
+    """Put the original ``ProcessGroup`` methods back (benchmarks compare with and without)."""
+    global _INSTALLED
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for method in _METHODS:
+        raw = getattr(ProcessGroup.__dict__.get(method), "_harness_raw", None)
+        if raw is not None:
+            setattr(ProcessGroup, method, raw)  # pybind's own method descriptor, as it was
+    _INSTALLED = False

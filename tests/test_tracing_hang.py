@@ -1,0 +1,124 @@
+"""Hangs on real ranks, named from the ranks' collective traces at the launcher's deadline:
+a rank-dependent collective order, a rank that skips a collective, an unmatched receive."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.remote import RanksHung
+from harness.tracing import diagnose_hang
+
+HANG_TIMEOUT = 4
+
+
+def _line(fn, text: str) -> int:
+    """Line number of the first line of ``fn`` containing ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+# -- rank bodies (module level: the ranks import them) --------------------------------------
+
+
+def order_depends_on_rank(ctx) -> None:
+    t = torch.ones(8)
+    dist.all_reduce(t)  # in step: collective #1 matches on both ranks
+    if ctx.rank == 0:
+        dist.broadcast(t, src=0)  # rank 0's second collective
+        dist.all_reduce(t)
+    else:
+        dist.all_reduce(t)  # rank 1's second collective
+        dist.broadcast(t, src=0)
+
+
+def skips_a_collective(ctx) -> None:
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if ctx.rank == 0:
+        dist.all_reduce(t)  # only rank 0 issues this one
+
+
+def unmatched_receive(ctx) -> None:
+    x = torch.zeros(3)
+    if ctx.rank == 0:
+        dist.send(torch.ones(3), dst=1)
+    else:
+        dist.recv(x, src=0)
+        dist.recv(x, src=0)  # nobody sends this one
+
+
+def deadlock_across_groups(ctx) -> None:
+    first = dist.new_group([0, 1], group_desc="first")
+    second = dist.new_group([0, 1], group_desc="second")
+    t = torch.ones(2)
+    if ctx.rank == 0:
+        dist.all_reduce(t, group=first)
+        dist.all_reduce(t, group=second)
+    else:
+        dist.all_reduce(t, group=second)
+        dist.all_reduce(t, group=first)
+
+
+def _hang(rank_runner, fn):
+    with pytest.raises(RanksHung) as info:
+        rank_runner.run(fn, nproc=2, timeout=HANG_TIMEOUT)
+    return info.value
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+
+def test_rank_dependent_order_is_named_a_mismatch_at_the_timeout(rank_runner) -> None:
+    hung = _hang(rank_runner, order_depends_on_rank)
+    found = diagnose_hang(hung.outcome)
+    assert [d.code for d in found] == ["collective-mismatch"], found
+    ev = found[0].evidence
+    assert ev["seq"] >= 2 and ev["hang"] is True and sorted(ev["ranks"]) == [0, 1]
+    assert ev["per_rank"]["0"]["op"] == "broadcast" and ev["per_rank"]["1"]["op"] == "all_reduce"
+    a = _line(order_depends_on_rank, "rank 0's second")
+    b = _line(order_depends_on_rank, "rank 1's second")
+    assert ev["per_rank"]["0"]["call_site"].endswith(f"test_tracing_hang.py:{a} in order_depends_on_rank")
+    assert ev["per_rank"]["1"]["call_site"].endswith(f"test_tracing_hang.py:{b} in order_depends_on_rank")
+    # The launcher's report leads with it, in words.
+    report = hung.report
+    assert "DIAGNOSIS collective-mismatch" in report
+    assert f"rank 0 is in broadcast #{ev['seq']}" in report and f"test_tracing_hang.py:{a}" in report
+    assert f"rank 1 is in all_reduce #{ev['seq']}" in report and f"test_tracing_hang.py:{b}" in report
+    assert report.index("DIAGNOSIS") < report.index("---- rank 0")
+
+
+def test_a_skipped_collective_is_named_missing_with_who_waits_and_who_never_came(rank_runner) -> None:
+    hung = _hang(rank_runner, skips_a_collective)
+    found = diagnose_hang(hung.outcome)
+    assert [d.code for d in found] == ["collective-missing"], found
+    ev = found[0].evidence
+    assert ev["waiting_ranks"] == [0] and ev["absent_ranks"] == [1] and ev["op"] == "all_reduce"
+    assert ev["call_site"].endswith(f"test_tracing_hang.py:{_line(skips_a_collective, 'only rank 0')} in skips_a_collective")
+    assert "finished its test body" in ev["absent"]["1"]
+    assert "rank 0 waits in all_reduce" in found[0].summary and "rank 1 never issued it" in found[0].summary
+
+
+def test_an_unmatched_receive_is_named_missing(rank_runner) -> None:
+    hung = _hang(rank_runner, unmatched_receive)
+    found = diagnose_hang(hung.outcome)
+    assert [d.code for d in found] == ["collective-missing"], found
+    ev = found[0].evidence
+    assert ev["p2p"] is True and ev["op"] == "recv" and ev["seq"] == 2
+    assert ev["src"] == 0 and ev["dst"] == 1 and ev["waiting_ranks"] == [1] and ev["absent_ranks"] == [0]
+    assert ev["call_site"].endswith(f"test_tracing_hang.py:{_line(unmatched_receive, 'nobody sends')} in unmatched_receive")
+    assert "rank 0 never posted the matching send" in found[0].summary
+    assert "recv p2p#2 from rank 0" in hung.report  # the p2p op is in the rank's last ops too
+
+
+def test_a_deadlock_across_two_groups_names_both(rank_runner) -> None:
+    hung = _hang(rank_runner, deadlock_across_groups)
+    found = diagnose_hang(hung.outcome)
+    assert [d.code for d in found] == ["collective-missing", "collective-missing"], found
+    by_group = {d.evidence["group_desc"]: d.evidence for d in found}
+    assert by_group["first"]["waiting_ranks"] == [0] and by_group["first"]["absent_ranks"] == [1]
+    assert by_group["second"]["waiting_ranks"] == [1] and by_group["second"]["absent_ranks"] == [0]
+    assert "waiting in all_reduce" in by_group["first"]["absent"]["1"]
