@@ -7,13 +7,16 @@ catalogue."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from cases import mlp_case
 from cases.strategies import DDPStrategy
@@ -24,7 +27,6 @@ from harness.tracing import (
     RunTrace,
     Tracer,
     check_collectives,
-    check_mesh,
     check_samples,
     run_checks,
     trace_samples,

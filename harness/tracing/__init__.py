@@ -39,7 +39,14 @@ from .collectives import CollectiveRecord, compare_ranks
 from .hang import diagnose_hang, hang_lines
 from .mesh import check_mesh
 from .samples import check_sample_ids, check_samples
-from .trace import RankTrace, RunTrace, TraceError, Tracer, current_tracer, trace_samples
+from .trace import (
+    RankTrace,
+    RunTrace,
+    TraceError,
+    Tracer,
+    current_tracer,
+    trace_samples,
+)
 
 __all__ = [
     "CollectiveRecord",

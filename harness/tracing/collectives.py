@@ -110,7 +110,7 @@ class CollectiveRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "CollectiveRecord":
+    def from_json(cls, data: Mapping[str, Any]) -> CollectiveRecord:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -424,7 +424,7 @@ def compare_ranks(
             else:
                 recvs[(r.group, r.peer, rank, r.tag)][r.seq] = r
     for channel in sorted(set(sends) | set(recvs), key=str):
-        group, src, dst, tag = channel
+        _, src, dst, _ = channel
         s_map, r_map = sends.get(channel, {}), recvs.get(channel, {})
         if src not in known or dst not in known:
             continue

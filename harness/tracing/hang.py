@@ -18,7 +18,13 @@ from typing import Any
 
 from harness.codes import Diagnosis
 
-from .collectives import CollectiveRecord, RankStatus, compare_ranks, from_entry, short_site
+from .collectives import (
+    CollectiveRecord,
+    RankStatus,
+    compare_ranks,
+    from_entry,
+    short_site,
+)
 
 __all__ = ["diagnose_hang", "hang_lines", "rank_statuses"]
 

@@ -23,16 +23,17 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 __all__ = [
     "DEFAULT_LOG_SIZE",
     "PyCall",
-    "calls_since",
     "call_site",
+    "calls_since",
     "group_info",
     "install",
     "installed",

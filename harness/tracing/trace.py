@@ -30,7 +30,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +133,7 @@ class RankTrace:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "RankTrace":
+    def from_json(cls, data: Mapping[str, Any]) -> RankTrace:
         try:
             return cls(
                 rank=int(data["rank"]),
@@ -245,7 +245,7 @@ class RunTrace:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "RunTrace":
+    def load(cls, path: str | os.PathLike[str]) -> RunTrace:
         """Read a trace: a ``trace.json`` file, a record directory holding one, or a directory
         of per-rank parts (``rank<N>.json``, written by ranks whose run failed)."""
         path = Path(path)
@@ -291,10 +291,10 @@ def _json_default(value: Any) -> Any:
 
 # -- the per-rank tracer ---------------------------------------------------------------------
 
-_ACTIVE: list["Tracer"] = []
+_ACTIVE: list[Tracer] = []
 
 
-def current_tracer() -> "Tracer | None":
+def current_tracer() -> Tracer | None:
     """The innermost active :class:`Tracer` of this process, if any."""
     return _ACTIVE[-1] if _ACTIVE else None
 
@@ -374,7 +374,7 @@ class Tracer:
 
     # -- context -----------------------------------------------------------------------------
 
-    def __enter__(self) -> "Tracer":
+    def __enter__(self) -> Tracer:  # noqa: PYI034 - typing.Self needs Python 3.11
         _ACTIVE.append(self)
         return self
 

@@ -148,7 +148,7 @@ def _measure(mode: str, workload: str, steps: int, warmup: int) -> dict:
         proc = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--workload", workload,
              "--steps", str(steps), "--warmup", str(warmup), "--out", out],
-            env=_env(mode), capture_output=True, text=True, timeout=600,
+            env=_env(mode), capture_output=True, text=True, timeout=600, check=False,
         )
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()
@@ -158,6 +158,11 @@ def _measure(mode: str, workload: str, steps: int, warmup: int) -> dict:
             return json.load(fh)
     finally:
         os.unlink(out)
+
+
+def _ratio(med: dict[str, float | None], a: str, b: str) -> str:
+    x, y = med.get(a), med.get(b)
+    return f"{x / y:.3f}x" if x and y else "n/a"
 
 
 def main() -> None:
@@ -203,10 +208,8 @@ def main() -> None:
                 cells.append(f"{'crashed':>16}")
                 print(f"  ({workload} {mode}: {err})")
 
-        def ratio(a: str, b: str) -> str:
-            return f"{med[a] / med[b]:.3f}x" if med[a] and med[b] else "n/a"
-
-        print(f"{workload:>9} | " + " | ".join(cells) + f" | {ratio('traced', 'off'):>10} | {ratio('detail', 'off'):>10} | {ratio('traced', 'detail'):>13}")
+        ratios = [_ratio(med, "traced", "off"), _ratio(med, "detail", "off"), _ratio(med, "traced", "detail")]
+        print(f"{workload:>9} | " + " | ".join(cells) + f" | {ratios[0]:>10} | {ratios[1]:>10} | {ratios[2]:>13}")
     for workload in workloads:
         fin = [x["finish_s"] for x in results[("traced", workload)] if "finish_s" in x]
         recs = [x["records"] for x in results[("traced", workload)] if "records" in x]
