@@ -176,7 +176,7 @@ def _divergence_positions(report: DiagnosisReport) -> dict[str, int]:
 
 
 def _timeline(report: DiagnosisReport) -> str:
-    events = (report.collectives or {}).get("events") or {}
+    events = {r: evs for r, evs in ((report.collectives or {}).get("events") or {}).items() if evs}
     if not events:
         return "<p class='muted'>no collectives traced</p>"
     import matplotlib
