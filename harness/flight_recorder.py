@@ -152,3 +152,17 @@ def format_entry(entry: CollectiveEntry) -> str:
         f"{entry.op} {seq} on pg {entry.process_group}{ranks} sizes={entry.input_sizes}{reduce} "
         f"at {entry.call_site}"
     )
+
+
+def short_site(site: str) -> str:
+    """A call site with its path relative to the working directory when under it."""
+    if not site:
+        return site
+    path, sep, rest = site.partition(":")
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    if not rel.startswith(".."):
+        path = rel
+    return f"{path}{sep}{rest}"

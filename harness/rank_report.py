@@ -7,26 +7,12 @@ last collectives were.
 
 from __future__ import annotations
 
-import os
 
 from harness import flight_recorder
 from harness.launcher import RunOutcome
 from harness.protocol import CollectiveEntry, RankDump
 
 MAX_COLLECTIVES_SHOWN = 8
-
-
-def _short_path(site: str) -> str:
-    if not site:
-        return site
-    path, _, rest = site.partition(":")
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        rel = path
-    if not rel.startswith(".."):
-        path = rel
-    return f"{path}:{rest}"
 
 
 def _number(entry: CollectiveEntry) -> str:
@@ -53,7 +39,7 @@ def where(dump: RankDump | None) -> str:
         op = op or last.op
         ranks = f" ranks={last.group_ranks}" if last.group_ranks is not None else ""
         detail = f" {_number(last)} on pg {last.process_group}{ranks}"
-    site = _short_path(dump.user_site or (last.call_site if last else ""))
+    site = flight_recorder.short_site(dump.user_site or (last.call_site if last else ""))
     if op:
         return f"in {op}{detail} at {site}" if site else f"in {op}{detail}"
     if dump.state.startswith("running"):
@@ -96,7 +82,7 @@ def _rank_line(outcome: RunOutcome, rank: int) -> str:
             last = finished.collectives[-1]
             line += (
                 f", finished its test body; its last collective was {last.op} {_number(last)} "
-                f"at {_short_path(last.call_site)}"
+                f"at {flight_recorder.short_site(last.call_site)}"
             )
         else:
             line += ", finished its test body without issuing a collective"

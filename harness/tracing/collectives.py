@@ -16,13 +16,13 @@ the k-th send must meet the k-th receive with the same shape and dtype.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.codes import Diagnosis
+from harness.flight_recorder import short_site
 from harness.protocol import CollectiveEntry
 
 from . import hooks
@@ -146,20 +146,6 @@ def record_bytes(record: CollectiveRecord) -> int:
         dtype = record.dtypes[i] if i < len(record.dtypes) else (record.dtypes[0] if record.dtypes else "float32")
         total += n * dtype_bytes(dtype)
     return total
-
-
-def short_site(site: str) -> str:
-    """A call site with its path relative to the working directory when under it."""
-    if not site:
-        return site
-    path, sep, rest = site.partition(":")
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        rel = path
-    if not rel.startswith(".."):
-        path = rel
-    return f"{path}{sep}{rest}"
 
 
 # -- merging FR and the Python hooks -------------------------------------------------------
