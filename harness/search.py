@@ -1114,19 +1114,23 @@ def check_config(
     if config.strategy != spec.name:
         config = config.replace(strategy=spec.name)
     config.validate(spec, max_world=max_world)
+    own_workdir = workdir is None  # a passing example's records are removed, a failing one's kept
+    workdir = tempfile.mkdtemp(prefix=f"harness-search-{spec.name}-") if own_workdir else workdir
     start = time.perf_counter()
     values = runner.run(
         run_example,
         nproc=config.world_size,
         kwargs={
             "factory": factory, "config": config, "cache": None if cache is None else str(cache),
-            "workdir": None if workdir is None else str(workdir), "tolerance": tolerance,
+            "workdir": str(workdir), "tolerance": tolerance,
         },
         timeout=timeout,
     ).values
     seconds = time.perf_counter() - start
     result = values[0]
     diagnoses, why = _diagnose(result) if not result.passed else ([], "passed")
+    if own_workdir and result.passed:
+        shutil.rmtree(workdir, ignore_errors=True)
     return ExampleOutcome(config, result, diagnoses, why, seconds)
 
 

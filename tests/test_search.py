@@ -34,11 +34,12 @@ SHAPES = [search.get_spec("ddp"), TP_SHAPED, HYBRID_SHAPED, PP_SHAPED]
 
 BUGGY = search.get_spec("ddp").derive(remainder.RemainderDroppingSamplerDDP.name, remainder.make_strategy)
 # The bug's search space: the model and numerics fixed small (float64: default tolerances are
-# far above its noise), the data layout free: world size, micro-batches, batch, dataset, steps.
+# far above its noise), the data layout free: world size, micro-batches, batch, dataset.
 BUG_SPACE = dict(
     dtype="float64", optimizer="sgd", heads=1, hidden=1, layers=1, seq_len=1,
     max_micro_batches=2, max_micro_batch_size=2, steps=1,
 )
+
 
 def outside_known_tolerance_gap(config: ParallelConfig) -> bool:
     """bf16 + AdamW is left out of the correct-strategy searches: at AdamW's first step every
@@ -223,14 +224,15 @@ def test_ddp_matches_the_reference_for_every_generated_config_on_the_warm_pool(r
     print(report.summary())
 
 
-def test_a_config_dependent_sampler_bug_is_found_shrunk_and_replayed(rank_runner, reference_cache) -> None:
+def test_a_config_dependent_sampler_bug_is_found_shrunk_and_replayed(rank_runner, reference_cache, tmp_path) -> None:
     assert remainder.EXPECTED_CODE in CODES
     db = InMemoryExampleDatabase()
-    kwargs = dict(max_world=2, cache=reference_cache, tolerance="default", **BUG_SPACE)
+    kwargs = dict(max_world=2, cache=reference_cache, workdir=tmp_path, tolerance="default", **BUG_SPACE)
     with pytest.raises(ConfigMismatch) as info:  # an ordinary random search; found within a few examples
         assert_matches_reference_for_all(BUGGY, rank_runner, max_examples=40, hypothesis_settings={"database": db}, **kwargs)
     mismatch = info.value
     assert mismatch.config == SHRUNK  # 2 ranks, one micro-batch of one per replica, 3 samples, 1 step
+    assert str(tmp_path) in str(mismatch)  # the report points at the kept records
     assert remainder.EXPECTED_CODE in mismatch.codes
     text = str(mismatch)
     assert SHRUNK.describe() in text and f"diagnosis: {', '.join(mismatch.codes)}" in text
@@ -266,11 +268,11 @@ def short_sequences_only(config: ParallelConfig) -> ShortSequencesOnlyDDP:
     return ShortSequencesOnlyDDP()
 
 
-def test_a_crash_is_shrunk_and_reported_with_its_config(rank_runner, reference_cache) -> None:
+def test_a_crash_is_shrunk_and_reported_with_its_config(rank_runner, reference_cache, tmp_path) -> None:
     spec = search.get_spec("ddp").derive(ShortSequencesOnlyDDP.name, short_sequences_only)
     with pytest.raises(search.ConfigCrashed) as info:
         assert_matches_reference_for_all(
-            spec, rank_runner, max_world=2, min_world=2, max_examples=10, cache=reference_cache, tolerance="default",
+            spec, rank_runner, max_world=2, min_world=2, max_examples=10, cache=reference_cache, workdir=tmp_path, tolerance="default",
             dtype="float64", optimizer="sgd", steps=1, layers=1, heads=1, hidden=1, micro_batches=1, num_samples=2,
             max_micro_batch_size=1, hypothesis_settings={"database": None, "derandomize": True},
         )
