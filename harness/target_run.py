@@ -52,6 +52,8 @@ class _ProgressStrategy:
         if self.path:
             with open(self.path, "a") as fh:
                 fh.write(f"step {self.done}/{self.steps} trained\n")
+                if self.done == self.steps:  # run_and_diagnose compares and diagnoses next
+                    fh.write("diagnose: comparing and naming causes\n")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -78,81 +80,52 @@ def diagnose_on_rank(
     import torch.distributed as dist
 
     from reference.cache import cached_reference
-    from reference.record import Record
 
     from .custom import CustomRun
-    from .diagnose import diagnose, stage_coverage_diagnosis
-    from .gather import StageCoverageError
-    from .probe import ProbedStrategy, collect_probe
-    from .run import compare_to_reference, run_strategy
+    from .rank_diagnosis import diagnosis_report, run_and_diagnose
+    from .run import compare_to_reference
 
     started = time.monotonic()
     target = load_target(target_spec)
     case = target.case if steps is None else target.case.replace(steps=steps)
     is_dst = ctx.rank == dst
-    findings: list[Diagnosis] = []
-    comparison = record_path = trace_path = None
-    probe = None
-    error = ""
     if is_dst:
         _progress(progress_path, f"reference: training {case.name!r} on one device ({case.steps} steps)")
         cached_reference(case, cache=cache)  # before the ranks start, so its time shows as its own phase
         _progress(progress_path, f"ranks: training {target.strategy.name if target.strategy else 'custom loop'} on {ctx.world_size} ranks")
     dist.barrier()
     if target.strategy is not None:
-        probed = ProbedStrategy(_ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps))
-        try:
-            result = run_strategy(case, probed, ctx, workdir=workdir, cache=cache, dst=dst)
-            comparison, record_path = result.comparison, result.record_path
-            trace_path = getattr(result, "trace_path", None)
-        except StageCoverageError as exc:  # raised on every rank alike (the check is collective)
-            findings.append(stage_coverage_diagnosis(exc))
-            error = str(exc)
-        probe = collect_probe(probed, dst)
-    else:
-        assert target.train is not None
-        record_dir = Path(workdir) / f"custom-{case.name}-w{ctx.world_size}"
-        try:
-            from .tracing import Tracer
-            from .tracing.trace import TRACE_FILE
+        progress = _ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps)
+        run = run_and_diagnose(case, progress, ctx, target=target, workdir=workdir, cache=cache, dst=dst)
+        return run.report
+    assert target.train is not None
+    record_dir = Path(workdir) / f"custom-{case.name}-w{ctx.world_size}"
+    try:
+        from .tracing import Tracer
+        from .tracing.trace import TRACE_FILE
 
-            tracer = Tracer(name=f"custom-{case.name}")
-        except ImportError:
-            tracer = None
-        run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer)
-        torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
-        try:
-            target.train(ctx, run)
-        except BaseException:
-            if run.recorder is not None:
-                run.finish(complete=False)
-            raise
-        record = run.finish()
-        run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": "custom"}) if tracer is not None else None
-        if is_dst:
-            assert record is not None
-            comparison = compare_to_reference(case, record, cache=cache, label=f"{target.name} on {ctx.world_size} ranks vs reference")
-            record_path = str(record.path)
-            if run_trace is not None:
-                trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE))
+        tracer = Tracer(name=f"custom-{case.name}")
+    except ImportError:
+        tracer = None
+    run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer)
+    torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
+    try:
+        target.train(ctx, run)
+    except BaseException:
+        if run.recorder is not None:
+            run.finish(complete=False)
+        raise
+    record = run.finish()
+    run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": "custom"}) if tracer is not None else None
     if not is_dst:
         return None
+    assert record is not None
     _progress(progress_path, "diagnose: comparing and naming causes")
-    reference = cached_reference(case, cache=cache)
-    actual = Record.load(record_path) if record_path else None
-    trace = None
-    if trace_path:
-        try:
-            from .tracing import RunTrace
-
-            trace = RunTrace.load(trace_path)
-        except (ImportError, OSError, ValueError):
-            trace = None
-    if comparison is not None and actual is not None:
-        findings = diagnose(comparison, reference, actual, trace=trace, findings=findings, probe=probe, case=case)
-    return build_report(
-        target=target, case=case, nproc=ctx.world_size, comparison=comparison, reference=reference, actual=actual,
-        trace=trace, diagnoses=findings, error=error if not findings else "", elapsed_s=time.monotonic() - started,
+    comparison = compare_to_reference(case, record, cache=cache, label=f"{target.name} on {ctx.world_size} ranks vs reference")
+    trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE)) if run_trace is not None else None
+    return diagnosis_report(
+        target, case, ctx.world_size, comparison=comparison, record_path=str(record.path), trace_path=trace_path,
+        cache=cache, elapsed_s=time.monotonic() - started,
     )
 
 

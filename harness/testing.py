@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from reference.case import Case
 
-from .run import RunResult, run_strategy
+from .run import RunResult
 from .strategy import DistContextLike
 from .target import Target
 
@@ -56,50 +56,26 @@ def assert_matches_reference(
 ) -> RunResult:
     """Collective: train ``strategy``, compare with the reference and, on any difference, fail
     with the diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass."""
-    from .diagnose import diagnose, stage_coverage_diagnosis
-    from .gather import StageCoverageError
-    from .probe import ProbedStrategy, collect_probe
-    from .report import build_report, format_terminal, write_html
+    from .rank_diagnosis import run_and_diagnose
+    from .report import format_terminal, write_html
 
     if steps is not None:
         case = case.replace(steps=steps)
-    probed = ProbedStrategy(strategy)
-    result: RunResult | None = None
-    findings = []
-    try:
-        result = run_strategy(case, probed, ctx, tolerance=tolerance, workdir=workdir, cache=cache, dst=dst)
-    except StageCoverageError as exc:  # every rank raises it alike
-        findings.append(stage_coverage_diagnosis(exc))
-    probe = collect_probe(probed, dst)
+    name = f"{strategy.name}-{case.name}"
+    target = Target(name=_current_test() or name, case=case, strategy=strategy)
+    run = run_and_diagnose(case, strategy, ctx, target=target, tolerance=tolerance, workdir=workdir, cache=cache,
+                           dst=dst, report_on_pass=False)
     message = ""
-    if ctx.rank == dst and (result is None or not result.passed):
-        from reference.cache import cached_reference
-        from reference.record import Record
-
-        reference = cached_reference(case, cache=cache)
-        actual = Record.load(result.record_path) if result is not None else None
-        trace = None
-        if result is not None and getattr(result, "trace_path", None):
-            try:
-                from .tracing import RunTrace
-
-                trace = RunTrace.load(result.trace_path)
-            except (ImportError, OSError, ValueError):
-                trace = None
-        if result is not None and actual is not None:
-            findings = diagnose(result.comparison, reference, actual, trace=trace, findings=findings, probe=probe, case=case)
-        target = Target(name=_current_test() or f"{strategy.name}-{case.name}", case=case, strategy=strategy)
-        report = build_report(target=target, case=case, nproc=ctx.world_size, comparison=result.comparison if result else None,
-                              reference=reference, actual=actual, trace=trace, diagnoses=findings)
-        path = write_html(report, report_path_for(_current_test(), f"{strategy.name}-{case.name}"))
-        message = format_terminal(report) + f"\n  html report: {path}"
-        if result is not None:
-            message += f"\n  records: {result.record_path} vs {result.reference_path}"
+    if run.report is not None:  # dst, and the run failed
+        path = write_html(run.report, report_path_for(_current_test(), name))
+        message = format_terminal(run.report) + f"\n  html report: {path}"
+        if run.result is not None:
+            message += f"\n  records: {run.result.record_path} vs {run.result.reference_path}"
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [message]
         dist.broadcast_object_list(box, src=dst)
         message = box[0]
     if message:
         raise AssertionError(message)
-    assert result is not None
-    return result
+    assert run.result is not None
+    return run.result

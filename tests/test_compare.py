@@ -4,38 +4,25 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
 from cases import mlp_case
 from harness.compare import compare, compare_tensors
-from harness.tolerance import CalibratedTolerances, DefaultTolerances, Tolerance, calibrate
-from reference import KINDS, NonFiniteReferenceError, Record, RecordWriter, cached_reference, train_reference
-
-Mutation = Callable[[int, str, str, torch.Tensor], "torch.Tensor | None"]
-
-
-def rewrite(record: Record, path: Path, mutate: Mutation | None = None, *, rename: dict[str, str] | None = None,
-            steps: int | None = None, sample_ids: Callable[[int, list[int]], list[int]] | None = None,
-            source: str = "strategy:test") -> Record:
-    """A copy of ``record`` as if a parallel run had produced it, with tensors changed by
-    ``mutate`` (None drops the entry) and names changed by ``rename``."""
-    writer = RecordWriter(path, {**record.meta, "source": source})
-    for s in record.steps[: steps if steps is not None else record.num_steps]:
-        out = writer.step(s.step)
-        out.loss, out.micro_losses, out.param_groups = s.loss, list(s.micro_losses), s.param_groups
-        out.micro_sample_ids = [list(m) for m in s.micro_sample_ids]
-        out.sample_ids = sample_ids(s.step, list(s.sample_ids)) if sample_ids else list(s.sample_ids)
-        for kind in KINDS:
-            for name in s.names(kind):
-                t = record.tensor(s.step, kind, name)
-                t = mutate(s.step, kind, name, t) if mutate else t
-                if t is not None:
-                    writer.add_tensor(s.step, kind, (rename or {}).get(name, name), t)
-    return writer.finish()
+from harness.tolerance import (
+    CalibratedTolerances,
+    DefaultTolerances,
+    Tolerance,
+    calibrate,
+)
+from reference import (
+    NonFiniteReferenceError,
+    Record,
+    cached_reference,
+    train_reference,
+)
+from tests._records import rewrite
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,93 @@
+"""The diagnosis engine's gradient patterns, in process: a reference record rewritten as a
+parallel run would have left it (scaled gradients, rank layouts), with no ranks spawned.
+
+The multi-rank bug cases (tests/test_diagnose.py) show each code end to end; these pin the
+decision boundaries - which factor is which code, and when a factor is only rounding."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cases import mlp_case
+from harness.compare import compare
+from harness.diagnose import diagnose
+from reference import Record, cached_reference
+from tests._records import rewrite
+
+SCALE_CODES = {"grad-scaled", "grad-double-averaged", "grad-not-averaged", "pp-loss-scaling"}
+_serial = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> Record:
+    return cached_reference(mlp_case("sgd"), cache=tmp_path_factory.mktemp("cache"))
+
+
+def dp_layout(dp: int) -> dict:
+    """``meta`` for a record from ``dp`` data-parallel replicas (what the engine sizes factors by)."""
+    return {"world_size": dp, "ranks": [{"rank": r, "dp_size": dp, "mesh": {"dp": r}} for r in range(dp)]}
+
+
+def scaled_run(ref: Record, path: Path, factor: float, *, dp: int = 2, only: str | None = None) -> list:
+    """Diagnoses for a run whose step-0 gradients (or only ``only``'s) are ``factor`` x the reference's."""
+
+    def scale(step: int, kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
+        hit = kind == "grad" and step == 0 and (only is None or name == only)
+        return t * factor if hit else t
+
+    actual = rewrite(ref, path / f"run-{next(_serial)}", scale, meta=dp_layout(dp))
+    return diagnose(compare(ref, actual), ref, actual)
+
+
+@pytest.mark.parametrize(
+    ("factor", "dp", "code"),
+    [(0.5, 2, "grad-double-averaged"), (2.0, 2, "grad-not-averaged"), (0.25, 4, "grad-double-averaged"),
+     (4.0, 4, "grad-not-averaged"), (3.0, 2, "grad-scaled")],
+)
+def test_a_common_gradient_factor_is_named_by_what_explains_it(ref: Record, tmp_path, factor: float, dp: int, code: str) -> None:
+    [d] = scaled_run(ref, tmp_path, factor, dp=dp)
+    assert d.code == code, d.summary
+    assert d.evidence["factor"] == pytest.approx(factor)
+    assert d.evidence["step"] == 0
+
+
+def test_an_unexplained_factor_says_no_size_explains_it(ref: Record, tmp_path) -> None:
+    [d] = scaled_run(ref, tmp_path, 3.0, dp=2)
+    assert "no size of this run explains it" in d.evidence["likely_source"]
+
+
+def test_a_factor_on_part_of_the_model_lists_the_unaffected_tensors(ref: Record, tmp_path) -> None:
+    [d] = scaled_run(ref, tmp_path, 2.0, dp=2, only="fc1.weight")
+    assert d.code == "grad-not-averaged"
+    assert d.evidence["partial"] is True and d.evidence["params"] == ["fc1.weight"]
+    assert "fc2.weight" in d.evidence["unaffected"]
+
+
+@pytest.mark.parametrize("factor", [1.0 + 1e-4, 1.0 - 5e-4, 1.0015])
+def test_a_factor_within_rounding_of_one_is_not_called_a_scale_bug(ref: Record, tmp_path, factor: float) -> None:
+    # Off the fp32 tolerance (so the run fails) but 1 within what rounding can fit: the
+    # reference's gradient plus noise. Calling it "grad-scaled 1.0001x" sends users hunting
+    # for a constant that is not there.
+    codes = [d.code for d in scaled_run(ref, tmp_path, factor)]
+    assert codes == ["numeric-mismatch"], codes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    factor=st.one_of(st.floats(0.02, 0.9), st.floats(1.1, 50.0)),
+    dp=st.sampled_from([2, 4, 8]),
+)
+def test_every_clear_factor_is_a_scale_code_whose_size_matches(ref: Record, tmp_path, factor: float, dp: int) -> None:
+    [d] = scaled_run(ref, tmp_path, factor, dp=dp)
+    assert d.code in SCALE_CODES, d.summary
+    assert d.evidence["factor"] == pytest.approx(factor, rel=1e-6)
+    if d.code == "grad-double-averaged":
+        assert factor == pytest.approx(1 / dp, rel=0.03)
+    elif d.code == "grad-not-averaged":
+        assert factor == pytest.approx(dp, rel=0.03)
