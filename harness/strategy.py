@@ -48,6 +48,19 @@ class RankSetup:
     device: torch.device
     state: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def on_mesh(cls, case: Case, ctx: DistContextLike, model: nn.Module, dims: Any, mesh: Any, **state: Any) -> RankSetup:
+        """The setup of a model parallelized over ``dims``' (:class:`~harness.parallel_dims.ParallelDims`)
+        ``mesh``: the case's optimizer over its parameters, the rank's layout from ``dims``,
+        and ``mesh`` / ``dims`` (plus ``state``) kept for later steps."""
+        return cls(
+            model=model,
+            optimizer=case.build_optimizer(model.parameters()),
+            layout=dims.layout(ctx.rank),
+            device=ctx.device,
+            state={"mesh": mesh, "dims": dims, **state},
+        )
+
 
 @runtime_checkable
 class Strategy(Protocol):

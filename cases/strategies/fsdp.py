@@ -101,13 +101,7 @@ class FSDPStrategy(StrategyBase):
         mesh = dims.build_mesh(ctx.device.type)
         model = case.build_model(ctx.device)
         apply_fsdp(model, mesh, units=self.units, reshard_after_forward=self.reshard_after_forward)
-        return RankSetup(
-            model=model,
-            optimizer=case.build_optimizer(model.parameters()),
-            layout=dims.layout(ctx.rank),
-            device=ctx.device,
-            state={"mesh": mesh, "dims": dims},
-        )
+        return RankSetup.on_mesh(case, ctx, model, dims, mesh)
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
         return run_accumulating(case, setup, micro_batches)

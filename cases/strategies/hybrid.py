@@ -83,13 +83,7 @@ class _DataTensorParallel(StrategyBase):
         model = case.build_model(ctx.device)
         apply_tensor_parallel(model, mesh["tp"])
         self.data_parallel(model, mesh["dp"])
-        return RankSetup(
-            model=model,
-            optimizer=case.build_optimizer(model.parameters()),
-            layout=dims.layout(ctx.rank),
-            device=ctx.device,
-            state={"mesh": mesh, "dims": dims},
-        )
+        return RankSetup.on_mesh(case, ctx, model, dims, mesh)
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
         return run_accumulating(case, setup, micro_batches)

@@ -144,13 +144,7 @@ class TensorParallelStrategy(StrategyBase):
         model = case.build_model(ctx.device)
         mesh = dims.build_mesh(ctx.device.type)
         apply_tensor_parallel(model, mesh, self.plan(model))
-        return RankSetup(
-            model=model,
-            optimizer=case.build_optimizer(model.parameters()),
-            layout=dims.layout(ctx.rank),
-            device=ctx.device,
-            state={"mesh": mesh, "dims": dims},
-        )
+        return RankSetup.on_mesh(case, ctx, model, dims, mesh)
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
         return replica_forward_backward(case, setup, micro_batches)
