@@ -109,7 +109,7 @@ def test_world_sizes_above_the_limit_and_unknown_strategies_are_refused() -> Non
         ParallelConfig("ddp", dp=4, global_batch_size=4, num_samples=4).validate(max_world=2)
     with pytest.raises(InvalidConfigError, match="strategy 'nope' is not registered; known: .*ddp"):
         ParallelConfig("nope").validate()
-    with pytest.raises(InvalidConfigError, match="hybrid-shaped' needs dp=1 \\(needs >= 2\\)"):
+    with pytest.raises(InvalidConfigError, match="hybrid-shaped' needs dp >= 2, got dp=1"):
         ParallelConfig("hybrid-shaped", dp=1, tp=2, heads=2, dim=4, hidden=2).validate(HYBRID_SHAPED)
 
 
@@ -206,6 +206,19 @@ def test_the_registry_holds_ddp_and_what_else_imports() -> None:
     assert "ddp" in names
     with pytest.raises(ValueError, match="already registered"):
         search.register_strategy(search.get_spec("ddp").derive("ddp", search.build_fsdp))
+
+
+def test_the_package_reexports_each_modules_public_names() -> None:
+    from harness.search import config, generate, registry
+    from harness.search import property as prop
+
+    for module in (config, registry, generate, prop):
+        for name in module.__all__:
+            assert getattr(search, name) is getattr(module, name), f"harness.search.{name}"
+    assert all(hasattr(search, name) for name in search.__all__)
+    # what the ranks receive is pickled by module path: these must be importable by name there
+    for fn in (search.run_example, search.noop, *(search.get_spec(n).factory for n in search.available_strategies())):
+        assert "<locals>" not in fn.__qualname__ and fn.__module__.startswith("harness.search."), fn
 
 
 # -- on the warm rank pool -------------------------------------------------------------------
