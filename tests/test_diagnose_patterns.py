@@ -91,3 +91,45 @@ def test_every_clear_factor_is_a_scale_code_whose_size_matches(ref: Record, tmp_
         assert factor == pytest.approx(1 / dp, rel=0.03)
     elif d.code == "grad-not-averaged":
         assert factor == pytest.approx(dp, rel=0.03)
+
+
+@pytest.fixture(scope="module")
+def adam_ref(tmp_path_factory: pytest.TempPathFactory) -> Record:
+    """An AdamW reference whose fc1.weight[0, 0] gradient at step 0 is within rounding of 0."""
+    base = cached_reference(mlp_case("adamw"), cache=tmp_path_factory.mktemp("adam-cache"))
+
+    def tiny(step: int, kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
+        if (step, kind, name) == (0, "grad", "fc1.weight"):
+            t = t.clone()
+            t[0, 0] = 1e-12
+        return t
+
+    return rewrite(base, tmp_path_factory.mktemp("adam-ref") / "ref", tiny, source="reference")
+
+
+def _param_moved(ref: Record, path: Path, index: tuple[int, int], by: float) -> list:
+    def move(step: int, kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
+        if (step, kind, name) == (0, "param", "fc1.weight"):
+            t = t.clone()
+            t[index] += by
+        return t
+
+    actual = rewrite(ref, path / f"run-{next(_serial)}", move, meta=dp_layout(2))
+    return diagnose(compare(ref, actual), ref, actual)
+
+
+def test_an_adam_step_on_a_near_zero_gradient_is_explained_as_rounding(adam_ref: Record, tmp_path) -> None:
+    lr = adam_ref.step(0).param_groups[0]["lr"]
+    [d] = _param_moved(adam_ref, tmp_path, (0, 0), -2 * lr)  # the sign of a ~0 gradient flipped
+    assert d.code == "numeric-mismatch"
+    assert "likely rounding, not a bug" in d.summary
+    assert d.evidence["adaptive_sign_noise"]["elements"] == {"fc1.weight": 1}
+    assert "exp_avg_sq" in d.evidence["likely_source"]
+
+
+@pytest.mark.parametrize(("index", "by"), [((0, 1), -0.02), ((0, 0), -0.2)])
+def test_other_parameter_differences_get_no_rounding_excuse(adam_ref: Record, tmp_path, index, by: float) -> None:
+    # (0, 1): its gradient is clearly non-zero; (0, 0) by 10 lr: more than a flipped step can move
+    [d] = _param_moved(adam_ref, tmp_path, index, by)
+    assert d.code == "numeric-mismatch"
+    assert "adaptive_sign_noise" not in d.evidence and "not a bug" not in d.summary

@@ -47,7 +47,8 @@ def outside_known_tolerance_gap(config: ParallelConfig) -> bool:
     the reference and a parallel run (a bf16 all-reduce over 3 ranks, or dp x tp) and the
     parameter lands 2 * lr away - beyond the calibrated tolerance, which measures gradient noise,
     not sign flips. The search found this on the correct DDP (dp=3) and DDP x TP; it is a gap
-    in harness.tolerance (reported), not in the strategies."""
+    in harness.tolerance, not in the strategies, and the diagnosis names it as rounding
+    (tests/test_diagnose_patterns.py)."""
     return not (config.dtype == "bfloat16" and config.optimizer == "adamw")
 
 
