@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -61,6 +61,9 @@ class TensorComparison:
     scale: float | None
     tolerance: Tolerance
     message: str = ""
+    # Elements beyond tolerance accepted as an adaptive optimizer's sign noise (see
+    # ``adaptive_sign_noise``): a parameter whose reference gradient was within rounding of 0.
+    excused: int = 0
 
     def line(self) -> str:
         where = f"{self.kind} {self.name} step {self.step}"
@@ -71,6 +74,8 @@ class TensorComparison:
             else ""
         )
         verdict = "ok" if self.passed else f"MISMATCH {self.mismatched}/{self.numel}"
+        if self.passed and self.excused:
+            verdict = f"ok ({self.excused} elements within AdamW sign noise of a near-zero gradient)"
         scale = f", scale {self.scale:.4g}" if self.scale is not None and not self.passed else ""
         return (
             f"{where}: {verdict}, max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}{at}{vals}"
@@ -462,7 +467,65 @@ def compare(
                 result.tensors.append(
                     compare_tensors(actual.tensor(step, kind, name), expected, tol, step=step, kind=kind, name=name)
                 )
+        _excuse_sign_noise(reference, actual, result, step)
     return result
+
+
+# An adaptive step moves an element by at most about lr (|m_hat / sqrt(v_hat)| <= ~1); a sign
+# flip of its gradient therefore costs at most ~2 lr per step. The margin covers weight decay
+# and bias correction at the first steps.
+_SIGN_FLIP_STEP = 2.5
+
+
+def adaptive_sign_noise(reference: Record, actual: Record, result: CompareResult, param: TensorComparison) -> int | None:
+    """How many of ``param``'s out-of-tolerance elements an adaptive optimizer's sign noise
+    explains, or None when it does not explain all of them.
+
+    Adam-family optimizers (an ``exp_avg_sq`` in the state) move an element by about +-lr
+    whatever its gradient's size. Where the reference gradient is within the comparison's own
+    gradient tolerance of 0 - so a correct run may see the other sign - the step's direction is
+    rounding noise and a correct run lands up to 2 lr away (common in bf16). An element is
+    explained when it differs by at most ~2 lr for each step up to this one at which its
+    gradient was sign-uncertain, and there was at least one; gradients, loss and optimizer
+    state are still compared as usual, so a real bug (which moves gradients, or elements whose
+    gradient is clearly non-zero, or by more than the bound) still fails."""
+    step, name = param.step, param.name
+    if param.kind != "param" or f"{name}.exp_avg_sq" not in reference.step(step).names("optim"):
+        return None
+    lrs = [g.get("lr") for g in reference.step(step).param_groups if name in g.get("params", [])]
+    if len(lrs) != 1 or not isinstance(lrs[0], (int, float)) or lrs[0] <= 0:
+        return None
+    uncertain_steps: torch.Tensor | None = None
+    for j in range(step + 1):
+        try:
+            grad_tol = result.get(j, "grad", name).tolerance
+        except KeyError:
+            return None
+        g = reference.tensor(j, "grad", name).double().abs()
+        uncertain = (g <= grad_tol.atol + grad_tol.rtol * g).to(torch.int64)
+        uncertain_steps = uncertain if uncertain_steps is None else uncertain_steps + uncertain
+    assert uncertain_steps is not None
+    a, e = actual.tensor(step, "param", name).double(), reference.tensor(step, "param", name).double()
+    diff = (a - e).abs()
+    differs = ~(diff <= param.tolerance.atol + param.tolerance.rtol * e.abs())  # NaN differs
+    explained = (uncertain_steps > 0) & (diff <= _SIGN_FLIP_STEP * float(lrs[0]) * uncertain_steps)
+    if not bool((~differs | explained).all()):
+        return None
+    return int(differs.sum())
+
+
+def _excuse_sign_noise(reference: Record, actual: Record, result: CompareResult, step: int) -> None:
+    for i, t in enumerate(result.tensors):
+        if t.step != step or t.kind != "param" or t.passed:
+            continue
+        count = adaptive_sign_noise(reference, actual, result, t)
+        if count:
+            result.tensors[i] = replace(t, passed=True, excused=count, message="")
+            result.notes.append(
+                f"param {t.name!r} at step {step}: {count} elements differ by up to 2 lr where the reference gradient "
+                "is within rounding of 0; an adaptive optimizer (AdamW) turns such a gradient into a +-lr step whose "
+                "sign is noise, so they are accepted"
+            )
 
 
 def _check_reference_finite(reference: Record) -> None:
