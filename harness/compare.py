@@ -429,6 +429,7 @@ def compare(
         result.notes += _rename_hints(result.structure, expected_structure, actual_structure)
 
     dtype = reference_dtype(reference)
+    sign_uncertain_counts: dict[str, tuple[int, torch.Tensor]] = {}  # see adaptive_sign_noise
     for step in range(min(reference.num_steps, actual.num_steps)):
         ref_s, act_s = reference.step(step), actual.step(step)
         issue = _id_issue(step, None, ref_s.sample_ids, act_s.sample_ids)
@@ -467,7 +468,7 @@ def compare(
                 result.tensors.append(
                     compare_tensors(actual.tensor(step, kind, name), expected, tol, step=step, kind=kind, name=name)
                 )
-        _excuse_sign_noise(reference, actual, result, step)
+        _excuse_sign_noise(reference, actual, result, step, sign_uncertain_counts)
     return result
 
 
@@ -477,7 +478,13 @@ def compare(
 _SIGN_FLIP_STEP = 2.5
 
 
-def adaptive_sign_noise(reference: Record, actual: Record, result: CompareResult, param: TensorComparison) -> int | None:
+def adaptive_sign_noise(
+    reference: Record,
+    actual: Record,
+    result: CompareResult,
+    param: TensorComparison,
+    counts: dict[str, tuple[int, torch.Tensor]] | None = None,
+) -> int | None:
     """How many of ``param``'s out-of-tolerance elements an adaptive optimizer's sign noise
     explains, or None when it does not explain all of them.
 
@@ -488,15 +495,20 @@ def adaptive_sign_noise(reference: Record, actual: Record, result: CompareResult
     explained when it differs by at most ~2 lr for each step up to this one at which its
     gradient was sign-uncertain, and there was at least one; gradients, loss and optimizer
     state are still compared as usual, so a real bug (which moves gradients, or elements whose
-    gradient is clearly non-zero, or by more than the bound) still fails."""
+    gradient is clearly non-zero, or by more than the bound) still fails.
+
+    ``counts`` carries each parameter's count of sign-uncertain steps from one call to the next
+    (:func:`compare` passes one per comparison), so a parameter that stays off step after step
+    is counted once per step, not from step 0 again."""
     step, name = param.step, param.name
     if param.kind != "param" or f"{name}.exp_avg_sq" not in reference.step(step).names("optim"):
         return None
     lrs = [g.get("lr") for g in reference.step(step).param_groups if name in g.get("params", [])]
     if len(lrs) != 1 or not isinstance(lrs[0], (int, float)) or lrs[0] <= 0:
         return None
-    uncertain_steps: torch.Tensor | None = None
-    for j in range(step + 1):
+    counts = {} if counts is None else counts
+    counted, uncertain_steps = counts.get(name, (-1, None))
+    for j in range(counted + 1, step + 1):
         try:
             grad_tol = result.get(j, "grad", name).tolerance
         except KeyError:
@@ -504,6 +516,7 @@ def adaptive_sign_noise(reference: Record, actual: Record, result: CompareResult
         g = reference.tensor(j, "grad", name).double().abs()
         uncertain = (g <= grad_tol.atol + grad_tol.rtol * g).to(torch.int64)
         uncertain_steps = uncertain if uncertain_steps is None else uncertain_steps + uncertain
+        counts[name] = (j, uncertain_steps)
     assert uncertain_steps is not None
     a, e = actual.tensor(step, "param", name).double(), reference.tensor(step, "param", name).double()
     diff = (a - e).abs()
@@ -514,11 +527,13 @@ def adaptive_sign_noise(reference: Record, actual: Record, result: CompareResult
     return int(differs.sum())
 
 
-def _excuse_sign_noise(reference: Record, actual: Record, result: CompareResult, step: int) -> None:
+def _excuse_sign_noise(
+    reference: Record, actual: Record, result: CompareResult, step: int, counts: dict[str, tuple[int, torch.Tensor]]
+) -> None:
     for i, t in enumerate(result.tensors):
         if t.step != step or t.kind != "param" or t.passed:
             continue
-        count = adaptive_sign_noise(reference, actual, result, t)
+        count = adaptive_sign_noise(reference, actual, result, t, counts)
         if count:
             result.tensors[i] = replace(t, passed=True, excused=count, message="")
             result.notes.append(

@@ -26,6 +26,7 @@ How each pattern is recognised (evidence is measured, never assumed):
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from reference.record import Record
 from .codes import Diagnosis
 from .compare import CompareResult, TensorComparison
 
-__all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "stage_coverage_diagnosis", "verdict_for"]
+__all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "load_trace", "stage_coverage_diagnosis", "verdict_for"]
 
 # A fit actual ~= c * expected is "constant" when the residual is this small relative to the
 # tensor; per dtype because bf16 runs carry ~1e-2 relative noise.
@@ -271,10 +272,9 @@ class Analysis:
             )
             return out
         fits = {t.name: _Fit(t.name, *self._fit_tensor(step, "grad", t.name), passed=t.passed) for t in comps}
-        const = {n: f for n, f in fits.items() if f.constant(self.dtype)}
         # A factor within the dtype's fit noise of 1 is the reference's gradient plus rounding,
         # not a scale bug: such tensors fall through to the layout checks, then numeric-mismatch.
-        const = {n: f for n, f in const.items() if f.scale is not None and not f.unit(self.dtype)}
+        const = {n: f for n, f in fits.items() if f.constant(self.dtype) and not f.unit(self.dtype)}
         failing_names = [t.name for t in failing]
         # One common factor on every gradient: a scale bug.
         if len(const) == len(fits) and failing:
@@ -485,20 +485,26 @@ def diagnose(
     return Analysis(comparison, reference, actual, trace=trace, findings=findings, probe=probe, case=case).run()
 
 
+def load_trace(path: str | os.PathLike[str] | None) -> Any:
+    """The :class:`~harness.tracing.RunTrace` at ``path``, or None when there is none to read
+    (no path, no tracing package, a missing or unreadable file): the engine then works without
+    the trace checks."""
+    if not path:
+        return None
+    try:
+        from .tracing import RunTrace
+
+        return RunTrace.load(path)
+    except (ImportError, OSError, ValueError):
+        return None
+
+
 def diagnose_result(result: Any) -> list[Diagnosis]:
     """Diagnoses for a :class:`harness.run.RunResult` (loads its records and trace)."""
-    trace = None
-    trace_path = getattr(result, "trace_path", None)
-    if trace_path:
-        try:
-            from .tracing import RunTrace
-
-            trace = RunTrace.load(trace_path)
-        except (ImportError, FileNotFoundError):
-            trace = None
     return diagnose(
         result.comparison, Record.load(result.reference_path), Record.load(result.record_path),
-        trace=trace, probe=getattr(result, "probe", None), case=getattr(result, "case_obj", None),
+        trace=load_trace(getattr(result, "trace_path", None)), probe=getattr(result, "probe", None),
+        case=getattr(result, "case_obj", None),
     )
 
 

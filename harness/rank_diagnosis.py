@@ -22,7 +22,7 @@ from .run import RunResult
 from .strategy import DistContextLike
 from .target import Target
 
-__all__ = ["DiagnosedRun", "diagnosis_report", "load_trace", "run_and_diagnose"]
+__all__ = ["DiagnosedRun", "diagnosis_report", "run_and_diagnose"]
 
 
 @dataclass
@@ -39,18 +39,6 @@ class DiagnosedRun:
     @property
     def passed(self) -> bool:
         return self.result is not None and self.result.passed and not self.findings
-
-
-def load_trace(path: str | os.PathLike[str] | None) -> Any:
-    """The :class:`~harness.tracing.RunTrace` at ``path``; None when there is none to read."""
-    if not path:
-        return None
-    try:
-        from .tracing import RunTrace
-
-        return RunTrace.load(path)
-    except (ImportError, OSError, ValueError):
-        return None
 
 
 def diagnosis_report(
@@ -73,7 +61,7 @@ def diagnosis_report(
     from reference.cache import cached_reference
     from reference.record import Record
 
-    from .diagnose import diagnose
+    from .diagnose import diagnose, load_trace
 
     reference = cached_reference(case, cache=cache)
     actual = Record.load(record_path) if record_path else None

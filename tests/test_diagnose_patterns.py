@@ -167,3 +167,27 @@ def test_other_parameter_differences_get_no_rounding_excuse(adam_ref: Record, tm
     assert not result.passed and not any(t.excused for t in result.tensors)
     [d] = diagnose(result, adam_ref, actual)
     assert d.code == "numeric-mismatch" and "accepted_sign_noise" not in d.evidence
+
+
+def test_a_flip_stays_accepted_while_it_persists_and_only_within_its_bound(adam_ref: Record, tmp_path) -> None:
+    # The flipped element stays ~2 lr off at every later step: accepted each time, counted
+    # against the one step (0) whose gradient was sign-uncertain - 3 lr at step 2 is too far.
+    lr = adam_ref.step(0).param_groups[0]["lr"]
+
+    def stay_off(by_step: dict[int, float]):
+        def mutate(step: int, kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
+            if kind == "param" and name == "fc1.weight" and step in by_step:
+                t = t.clone()
+                t[0, 0] -= by_step[step] * lr
+            return t
+        return mutate
+
+    persisting = rewrite(adam_ref, tmp_path / "persist", stay_off({0: 2, 1: 2, 2: 2}), meta=dp_layout(2))
+    result = compare(adam_ref, persisting)
+    assert result.passed, result.summary()
+    assert [t.step for t in result.tensors if t.excused] == [0, 1, 2]
+
+    drifting = rewrite(adam_ref, tmp_path / "drift-far", stay_off({0: 2, 1: 2, 2: 3}), meta=dp_layout(2))
+    result = compare(adam_ref, drifting)
+    assert not result.passed
+    assert [t.step for t in result.tensors if t.excused] == [0, 1]
