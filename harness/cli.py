@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung (default: the target's TIMEOUT, else 300)")
     d.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="process-group backend (default auto)")
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="rank device (default auto)")
+    d.add_argument("--tolerance", choices=("auto", "calibrated", "default"), default="auto",
+                   help="auto/calibrated: from the reference's own measured noise (default); default: fixed per-dtype tolerances")
+    d.add_argument("--comparison", choices=("stepwise", "trajectory"), default="stepwise",
+                   help="stepwise: each step from the run's own state (default); trajectory: whole trajectories")
     d.add_argument("--cache", metavar="DIR", default=None, help="reference cache (default $HARNESS_CACHE_DIR or ./.harness_cache)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     d.add_argument("-v", "--verbose", action="store_true", help="full comparison and launcher report")
@@ -78,7 +82,7 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
 
     report = diagnose_target(
         args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
-        cache=args.cache, echo=_echo(args.quiet),
+        cache=args.cache, echo=_echo(args.quiet), tolerance=args.tolerance, comparison=args.comparison,
     )
     print(format_terminal(report, verbose=args.verbose))
     for line in _write_reports(report, args.json, args.html, args.trace):
@@ -112,7 +116,8 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
     targets = demo_targets()
     for i, (name, expected) in enumerate(targets, 1):
         echo(f"[{i}/{len(targets)}] {name}")
-        report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout, cache=args.cache, echo=echo)
+        report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout, cache=args.cache,
+                                 echo=echo, tolerance=args.tolerance, comparison=args.comparison)
         print(format_terminal(report, verbose=args.verbose), flush=True)
         _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
         ok = (expected in report.codes) if expected else report.verdict.verdict == "pass"

@@ -35,6 +35,7 @@ __all__ = [
     "TensorComparison",
     "compare",
     "compare_tensors",
+    "trajectory_view",
 ]
 
 COMPARE_KINDS: tuple[str, ...] = ("loss", *KINDS)
@@ -64,6 +65,14 @@ class TensorComparison:
     # Elements beyond tolerance accepted as an adaptive optimizer's sign noise (see
     # ``adaptive_sign_noise``): a parameter whose reference gradient was within rounding of 0.
     excused: int = 0
+    ref_max: float = 0.0  # the reference tensor's largest magnitude
+
+    @property
+    def drift(self) -> float:
+        """Largest error relative to the reference tensor's largest magnitude."""
+        if self.ref_max > 0:
+            return self.max_abs / self.ref_max
+        return 0.0 if self.max_abs == 0 else math.inf
 
     def line(self) -> str:
         where = f"{self.kind} {self.name} step {self.step}"
@@ -155,6 +164,12 @@ class CompareResult:
     tensors: list[TensorComparison] = field(default_factory=list)
     tolerance: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # "stepwise": ``reference`` is the same-start replay of this run (reference.replay);
+    # "trajectory": the reference's own trajectory.
+    mode: str = "trajectory"
+    # Secondary view in stepwise mode: the run's whole trajectory against the reference's
+    # (see :func:`trajectory_view`); never part of ``passed``.
+    trajectory: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -208,6 +223,10 @@ class CompareResult:
             if len(failures) > max_lines:
                 lines.append(f"    ... {len(failures) - max_lines} more")
         lines.append(f"  tolerance: {self._tolerance_line()}")
+        if self.mode == "stepwise":
+            lines.append("  compared: each step from this run's own state (stepwise)")
+        if self.trajectory:
+            lines.append(f"  trajectory (secondary, not part of the verdict): {self.trajectory.get('line', '')}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -222,7 +241,7 @@ class CompareResult:
     def _tolerance_line(self) -> str:
         mode = self.tolerance.get("mode", "?")
         if mode == "calibrated":
-            return f"calibrated against {', '.join(self.tolerance.get('variants', []))} (safety x{self.tolerance.get('safety')})"
+            return f"calibrated from the reference's own noise against {', '.join(self.tolerance.get('variants', []))} (safety x{self.tolerance.get('safety')})"
         table = ", ".join(
             f"{d.removeprefix('torch.')} rtol {v['rtol']:g} atol {v['atol_x_scale']:g} x max|ref|" if "atol_x_scale" in v
             else f"{d.removeprefix('torch.')} rtol {v['rtol']:g} atol {v['atol']:g} (override)"
@@ -237,6 +256,37 @@ class CompareResult:
         div = self.first_divergence
         data["first_divergence"] = asdict(div) if div else None
         return _jsonable(data)
+
+
+def trajectory_view(result: CompareResult) -> dict[str, Any]:
+    """The secondary, whole-trajectory view of a run: how far its trajectory drifts from the
+    reference's, per step and kind (largest error relative to each tensor's magnitude, tensors
+    beyond ``result``'s tolerance). It is informative only: rounding differences compound along a trajectory
+    (an adaptive optimizer turns a near-zero gradient's sign noise into a +-lr step), so a
+    correct run may drift; the verdict is the stepwise check."""
+    per_step: dict[tuple[int, str], dict[str, Any]] = {}
+    for t in result.tensors:
+        entry = per_step.setdefault((t.step, t.kind), {"step": t.step, "kind": t.kind, "drift": 0.0, "beyond_tolerance": 0, "tensors": 0})
+        entry["tensors"] += 1
+        entry["drift"] = max(entry["drift"], t.drift)
+        entry["beyond_tolerance"] += 0 if t.passed else 1
+    div = result.first_divergence
+    if div is None:
+        line = f"within {result._tolerance_line()} of the reference's trajectory at every step"
+    else:
+        worst = max((e["drift"] for e in per_step.values() if e["kind"] == "param"), default=0.0)
+        line = (f"drifts from the reference's trajectory from step {div.step} "
+                f"({len(result.failures())} tensors beyond {result.tolerance.get('mode', '?')} tolerance; "
+                f"largest parameter drift {worst:.3g} of the parameter's magnitude)")
+    return _jsonable({
+        "reference": result.reference,
+        "within_tolerance": result.passed,
+        "first_divergence": {"step": div.step, "entries": [list(e) for e in div.entries[:20]]} if div else None,
+        "per_step": list(per_step.values()),
+        # Parameter elements the trajectory comparison accepted as AdamW sign noise.
+        "excused": sum(t.excused for t in result.tensors),
+        "line": line,
+    })
 
 
 def _ranges(steps: list[int]) -> str:
@@ -306,7 +356,7 @@ def compare_tensors(
         max_rel=float(rel.max()) if numel else 0.0,
         worst_index=worst_index, expected_at_worst=exp_w, actual_at_worst=act_w,
         mismatched=int((diff > allowed).sum()), numel=numel, scale=scale,
-        tolerance=tolerance, message=message,
+        tolerance=tolerance, message=message, ref_max=float(e.abs().max()) if numel else 0.0,
     )
 
 

@@ -260,6 +260,7 @@ def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
             layout="dtensor",
             group=sorted(mesh.mesh.flatten().tolist()),
             key=None if partial else repr(("dtensor", key, [str(p) for p in t.placements])),
+            shards=[[p.dim, mesh.size(i)] for i, p in enumerate(t.placements) if p.is_shard() and mesh.size(i) > 1],
         )
     elif entry.spec is not None:
         pg = entry.spec.process_group()
@@ -269,6 +270,7 @@ def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
             group=list(ranks),
             dim=entry.spec.dim,
             key=repr(("shard", dist.get_group_rank(pg, dist.get_rank()), len(ranks))),
+            shards=[[entry.spec.dim, len(ranks)]] if len(ranks) > 1 else [],
         )
     else:
         info.update(layout="plain", group=[dist.get_rank()], key=repr(("full",)))
@@ -456,6 +458,17 @@ class GatheredTensors:
         shape = list(info["shape"])
         shape[info["dim"]] = sum(e.holders[r]["shape"][info["dim"]] for r in info["group"])
         return tuple(shape)
+
+    def sharding(self) -> dict[str, list[list[int]]]:
+        """How each sharded entry is split: name -> ``[[tensor dim, number of shards], ...]``
+        (one pair per mesh dim that shards it; entries that are whole on every rank are left
+        out). Evidence for the diagnosis: a shard code needs a tensor that is sharded."""
+        out: dict[str, list[list[int]]] = {}
+        for name, e in self._entries.items():
+            shards = e.holders[self._source(e)].get("shards") or []
+            if shards:
+                out[name] = [list(s) for s in shards]
+        return out
 
     def _source(self, e: _Entry) -> int:
         return self.dst if self.dst in e.holders else min(e.holders)

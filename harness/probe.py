@@ -19,6 +19,7 @@ correctness tests, not for production-size activations.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +41,19 @@ def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
-def _first_tensor(value: Any) -> Any:
+def _first_tensor(value: Any, depth: int = 0) -> Any:
+    """The first tensor in a module's output: the tensor itself, or depth first through
+    tuples, lists and mappings (a Hugging Face ``ModelOutput`` is an ordered mapping whose
+    first tensor is ``loss`` when labels were given, else ``logits``); None when there is none."""
     if isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return value[0]
+    if depth > 4:
+        return None
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = _first_tensor(item, depth + 1)
+        if found is not None:
+            return found
     return None
 
 
@@ -191,7 +200,12 @@ def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
                 outs[name] = t.detach().float().clone()
 
         handles.append(module.register_forward_hook(hook))
-    handles.append(model.register_forward_hook(lambda m, a, o: outs.setdefault(OUTPUT, o.detach().float().clone())))
+    def whole(module: nn.Module, args: tuple, output: Any) -> None:
+        t = _first_tensor(output)
+        if t is not None:
+            outs.setdefault(OUTPUT, t.detach().float().clone())
+
+    handles.append(model.register_forward_hook(whole))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(case.seed)
@@ -215,10 +229,13 @@ def _partial_sum(locals_: list[torch.Tensor], expected: torch.Tensor) -> bool:
     if all(_close(t, locals_[0]) for t in locals_[1:]):
         return False
     diff = torch.stack(locals_).sum(0) - expected
+    # Judged against the output's own magnitude: without a bias the difference is rounding
+    # only, and a tolerance scaled by that difference would call rounding a mismatch.
+    atol = 2e-4 * max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
     if expected.dim() == 0:
-        return _close(diff, torch.zeros_like(diff))
+        return bool(diff.abs().max() <= atol)
     flat = diff.reshape(-1, diff.shape[-1])
-    return _close(flat, flat.mean(0, keepdim=True).expand_as(flat))
+    return bool(torch.allclose(flat, flat.mean(0, keepdim=True).expand_as(flat), rtol=2e-3, atol=atol))
 
 
 def _tp_groups(data: ProbeData) -> list[list[int]]:

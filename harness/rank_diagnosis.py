@@ -63,14 +63,18 @@ def diagnosis_report(
 
     from .diagnose import diagnose, load_trace
 
-    reference = cached_reference(case, cache=cache)
+    # A stepwise comparison's reference is the same-start replay of this run; the engine reads
+    # the tensors the comparison was made against.
+    trajectory = cached_reference(case, cache=cache)
+    stepwise = Record.load(comparison.reference) if getattr(comparison, "mode", "") == "stepwise" else None
     actual = Record.load(record_path) if record_path else None
     trace = load_trace(trace_path)
     found = list(findings or [])
     if comparison is not None and actual is not None:
-        found = diagnose(comparison, reference, actual, trace=trace, findings=found, probe=probe, case=case)
+        found = diagnose(comparison, stepwise or trajectory, actual, trace=trace, findings=found, probe=probe, case=case)
     return build_report(
-        target=target, case=case, nproc=nproc, comparison=comparison, reference=reference, actual=actual,
+        target=target, case=case, nproc=nproc, comparison=comparison, reference=trajectory, actual=actual,
+        stepwise=stepwise,
         trace=trace, diagnoses=found, error=error if not found else "", elapsed_s=elapsed_s,
     )
 
@@ -86,6 +90,7 @@ def run_and_diagnose(
     cache: str | os.PathLike[str] | None = None,
     dst: int = 0,
     report_on_pass: bool = True,
+    comparison: str = "stepwise",
 ) -> DiagnosedRun:
     """Collective: train ``strategy`` on every rank with the activation probe on, compare with
     the reference on ``dst`` and diagnose there. ``target`` names the run in the report
@@ -100,7 +105,8 @@ def run_and_diagnose(
     probed = ProbedStrategy(strategy)
     out = DiagnosedRun(result=None)
     try:
-        out.result = run_strategy(case, probed, ctx, tolerance=tolerance, workdir=workdir, cache=cache, dst=dst)
+        out.result = run_strategy(case, probed, ctx, tolerance=tolerance, workdir=workdir, cache=cache, dst=dst,
+                                  comparison=comparison)
     except StageCoverageError as exc:  # raised on every rank alike (the check is collective)
         out.findings.append(stage_coverage_diagnosis(exc))
         out.error = str(exc)

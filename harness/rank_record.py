@@ -222,6 +222,8 @@ class RankRecorder:
         for name, full in gathered:
             if self.writer is not None and full is not None:
                 self.writer.add_tensor(step, kind, name, full)
+        if self.writer is not None and kind == "grad" and (sharding := gathered.sharding()):
+            self.writer.step(step).extra["sharding"] = sharding
         if self.writer is not None and gathered.replica_mismatches:
             self.writer.step(step).extra.setdefault("replica_mismatch", {})[kind] = gathered.replica_mismatches
 

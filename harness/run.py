@@ -18,18 +18,31 @@ import torch.distributed as dist
 from reference.cache import cached_reference
 from reference.case import Case, check_dataset
 from reference.record import Record
+from reference.replay import replay_reference
 from reference.schedule import global_batch_indices
 
-from .compare import CompareResult, compare
+from .compare import CompareResult, compare, trajectory_view
 from .rank_record import RankRecorder
 from .strategy import DistContextLike, Strategy
 from .tolerance import DefaultTolerances, TolerancePolicy, calibrate
 from .tracing import Tracer
 from .tracing.trace import TRACE_FILE
 
-__all__ = ["RunError", "RunResult", "compare_to_reference", "resolve_tolerance", "run_strategy", "train_strategy"]
+__all__ = [
+    "COMPARISON_MODES",
+    "RunError",
+    "RunResult",
+    "compare_to_reference",
+    "replay_path",
+    "resolve_tolerance",
+    "run_strategy",
+    "train_strategy",
+]
 
 TOLERANCE_MODES = ("auto", "default", "calibrated")
+# "stepwise": every step checked from the parallel run's own state (reference.replay), the
+# default; "trajectory": the whole parallel trajectory against the reference's.
+COMPARISON_MODES = ("stepwise", "trajectory")
 
 
 class RunError(RuntimeError):
@@ -132,17 +145,38 @@ def train_strategy(
     return record
 
 
+def check_comparison_mode(comparison: str) -> str:
+    if comparison not in COMPARISON_MODES:
+        raise RunError(f"unknown comparison mode {comparison!r}; allowed: {', '.join(COMPARISON_MODES)}")
+    return comparison
+
+
 def resolve_tolerance(
-    tolerance: str | TolerancePolicy, case: Case, reference: Record, *, cache: str | os.PathLike[str] | None = None
+    tolerance: str | TolerancePolicy,
+    case: Case,
+    reference: Record,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    stepwise: bool = True,
 ) -> TolerancePolicy:
-    """``"auto"``: calibrated for 16-bit dtypes, per-dtype defaults otherwise."""
+    """``"auto"``: calibrated from the reference's own one-step noise for every dtype in the
+    stepwise comparison; in the trajectory comparison calibrated for 16-bit dtypes and per-dtype
+    defaults otherwise (its compounded noise is only measured where it is large)."""
     if not isinstance(tolerance, str):
         return tolerance
     if tolerance not in TOLERANCE_MODES:
         raise RunError(f"unknown tolerance mode {tolerance!r}; allowed: {', '.join(TOLERANCE_MODES)} or a TolerancePolicy")
-    if tolerance == "calibrated" or (tolerance == "auto" and case.dtype in (torch.bfloat16, torch.float16)):
-        return calibrate(case, reference, cache=cache)
+    if tolerance == "default":
+        return DefaultTolerances()
+    if tolerance == "calibrated" or stepwise or case.dtype in (torch.bfloat16, torch.float16):
+        return calibrate(case, reference, cache=cache, stepwise=stepwise)
     return DefaultTolerances()
+
+
+def replay_path(record_path: str | os.PathLike[str]) -> Path:
+    """Where the stepwise reference of a parallel record is written: beside it."""
+    path = Path(record_path)
+    return path.with_name(path.name + ".replay")
 
 
 def compare_to_reference(
@@ -152,12 +186,30 @@ def compare_to_reference(
     tolerance: str | TolerancePolicy = "auto",
     cache: str | os.PathLike[str] | None = None,
     label: str | None = None,
+    comparison: str = "stepwise",
 ) -> CompareResult:
-    """Local: compare a parallel run's ``record`` of ``case`` with its (cached) reference.
-    For custom training loops that recorded with :class:`RankRecorder` themselves."""
+    """Local: compare a parallel run's ``record`` of ``case`` with the reference. For custom
+    training loops that recorded with :class:`RankRecorder` themselves.
+
+    ``comparison="stepwise"`` (default): every step is checked from the parallel run's own
+    state (:mod:`reference.replay`: loss and gradients from its parameters, the update from its
+    parameters, optimizer state and gradients), so rounding noise never compounds; the whole
+    trajectory against the cached reference is kept as a secondary view
+    (``CompareResult.trajectory``), outside the verdict. ``"trajectory"``: the parallel
+    trajectory against the reference's, step by step, as the verdict."""
+    check_comparison_mode(comparison)
     reference = cached_reference(case, cache=cache)
-    policy = resolve_tolerance(tolerance, case, reference, cache=cache)
-    return compare(reference, record, policy, label=label)
+    if comparison == "trajectory":
+        policy = resolve_tolerance(tolerance, case, reference, cache=cache, stepwise=False)
+        return compare(reference, record, policy, label=label)
+    policy = resolve_tolerance(tolerance, case, reference, cache=cache, stepwise=True)
+    stepwise = replay_reference(case, record, replay_path(record.path))
+    result = compare(stepwise, record, policy, label=label)
+    result.mode = "stepwise"
+    # The same tolerances as the verdict's: the view says where the trajectory leaves one
+    # step's noise, which a correct run may well do.
+    result.trajectory = trajectory_view(compare(reference, record, policy))
+    return result
 
 
 def _broadcast(obj: object, src: int) -> object:
@@ -179,15 +231,18 @@ def run_strategy(
     steps: int | None = None,
     dst: int = 0,
     trace: bool = True,
+    comparison: str = "stepwise",
 ) -> RunResult:
     """Collective: train ``strategy`` on every rank, train (or load) the reference on ``dst``,
-    compare them there, and return the result on every rank.
+    compare them there (``comparison``: see :func:`compare_to_reference`), and return the
+    result on every rank.
 
     ``workdir`` receives the parallel record (default: a new temporary directory); ``cache``
     holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``);
     ``trace`` writes every rank's trace beside the record (``RunResult.trace_path``)."""
     if steps is not None:
         case = case.replace(steps=steps)
+    check_comparison_mode(comparison)
     if not isinstance(strategy, Strategy):
         missing = [m for m in ("name", "setup", "local_batches", "forward_backward", "optimizer_step") if not hasattr(strategy, m)]
         raise RunError(
@@ -205,10 +260,12 @@ def run_strategy(
         assert record is not None
         try:
             label = f"{strategy.name} on {ctx.world_size} ranks vs reference, case {case.name!r}"
-            comparison = compare_to_reference(case, record, tolerance=tolerance, cache=cache, label=label)
+            compared = compare_to_reference(
+                case, record, tolerance=tolerance, cache=cache, label=label, comparison=comparison
+            )
             trace_file = Path(record.path) / TRACE_FILE
             payload = ("ok", RunResult(
-                case.name, strategy.name, ctx.world_size, comparison, comparison.reference, str(record.path),
+                case.name, strategy.name, ctx.world_size, compared, compared.reference, str(record.path),
                 trace_path=str(trace_file) if trace_file.is_file() else "",
             ))
         except Exception as exc:  # every rank must learn of it, not only dst

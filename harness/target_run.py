@@ -73,9 +73,12 @@ def diagnose_on_rank(
     cache: str | None,
     progress_path: str | None = None,
     dst: int = 0,
+    tolerance: str = "auto",
+    comparison: str = "stepwise",
 ) -> DiagnosisReport | None:
     """Rank body (collective): train the target, compare and diagnose on ``dst``; returns the
-    report there and None on the other ranks."""
+    report there and None on the other ranks. ``tolerance`` / ``comparison``: see
+    :func:`harness.run.compare_to_reference`."""
     import torch
     import torch.distributed as dist
 
@@ -96,7 +99,8 @@ def diagnose_on_rank(
     dist.barrier()
     if target.strategy is not None:
         progress = _ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps)
-        run = run_and_diagnose(case, progress, ctx, target=target, workdir=workdir, cache=cache, dst=dst)
+        run = run_and_diagnose(case, progress, ctx, target=target, workdir=workdir, cache=cache, dst=dst,
+                               tolerance=tolerance, comparison=comparison)
         return run.report
     assert target.train is not None
     record_dir = Path(workdir) / f"custom-{case.name}-w{ctx.world_size}"
@@ -121,10 +125,11 @@ def diagnose_on_rank(
         return None
     assert record is not None
     _progress(progress_path, "diagnose: comparing and naming causes")
-    comparison = compare_to_reference(case, record, cache=cache, label=f"{target.name} on {ctx.world_size} ranks vs reference")
+    compared = compare_to_reference(case, record, cache=cache, label=f"{target.name} on {ctx.world_size} ranks vs reference",
+                                    tolerance=tolerance, comparison=comparison)
     trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE)) if run_trace is not None else None
     return diagnosis_report(
-        target, case, ctx.world_size, comparison=comparison, record_path=str(record.path), trace_path=trace_path,
+        target, case, ctx.world_size, comparison=compared, record_path=str(record.path), trace_path=trace_path,
         cache=cache, elapsed_s=time.monotonic() - started,
     )
 
@@ -154,10 +159,13 @@ def diagnose_target(
     workdir: str | os.PathLike[str] | None = None,
     cache: str | os.PathLike[str] | None = None,
     echo: Callable[[str], None] | None = None,
+    tolerance: str = "auto",
+    comparison: str = "stepwise",
 ) -> DiagnosisReport:
     """Diagnose ``target`` (see :mod:`harness.target`) on ``nproc`` ranks (default: the
     target's NPROC, else 2) and return the report. ``timeout`` defaults to the target's
-    TIMEOUT, else 300 s. ``echo`` receives progress lines."""
+    TIMEOUT, else 300 s. ``echo`` receives progress lines. ``tolerance`` and ``comparison``
+    as :func:`harness.run.compare_to_reference` takes them."""
     say = echo or (lambda line: None)
     resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
     world = nproc or resolved.nproc or 2
@@ -174,7 +182,7 @@ def diagnose_target(
     try:
         result = runner.run(
             diagnose_on_rank, nproc=world, timeout=timeout or resolved.timeout or 300.0,
-            kwargs={"target_spec": target, "steps": steps, "workdir": work,
+            kwargs={"target_spec": target, "steps": steps, "workdir": work, "tolerance": tolerance, "comparison": comparison,
                     "cache": str(cache) if cache is not None else None, "progress_path": progress_path},
         )
         report = result.values.get(0)

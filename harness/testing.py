@@ -53,6 +53,7 @@ def assert_matches_reference(
     workdir: str | os.PathLike[str] | None = None,
     cache: str | os.PathLike[str] | None = None,
     dst: int = 0,
+    comparison: str = "stepwise",
 ) -> RunResult:
     """Collective: train ``strategy``, compare with the reference and, on any difference, fail
     with the diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass."""
@@ -64,7 +65,7 @@ def assert_matches_reference(
     name = f"{strategy.name}-{case.name}"
     target = Target(name=_current_test() or name, case=case, strategy=strategy)
     run = run_and_diagnose(case, strategy, ctx, target=target, tolerance=tolerance, workdir=workdir, cache=cache,
-                           dst=dst, report_on_pass=False)
+                           dst=dst, report_on_pass=False, comparison=comparison)
     message = ""
     if run.report is not None:  # dst, and the run failed
         path = write_html(run.report, report_path_for(_current_test(), name))

@@ -5,10 +5,18 @@ Every comparison records which tolerance it used and why (:class:`Tolerance`).
 Calibration retrains the reference in mathematically equivalent ways (a float64 run from the
 same rounded start, and a run with a different micro-batch split and sample order, i.e. a
 different reduction order) and measures how far those land from the reference: that is the
-noise a correct parallel run cannot avoid. For each step and tensor kind the worst noise
-*relative to a tensor's magnitude* is taken over the tensors of that kind (so a tensor whose
-own rerun happened to be lucky is not held to a tighter bound than its siblings), applied to
-each tensor's magnitude, and multiplied by a safety factor.
+noise a correct parallel run cannot avoid. With ``stepwise`` (the default comparison, see
+:mod:`reference.replay`) each equivalent run takes every step from the reference's own state,
+so the noise measured is that of one step's loss and gradients, not a compounded trajectory;
+parameters and optimizer state are then checked as an update from identical inputs, which has
+no reduction noise to calibrate (per-dtype defaults).
+
+A tensor's tolerance is ``safety x max(its own measured noise, typical relative noise of its
+kind x its magnitude)``. The typical relative noise is the *median* over the step's tensors of
+that kind: it keeps a tensor whose own rerun happened to be lucky from being held to a tighter
+bound than its siblings, and, unlike the maximum, it is not blown up by a tensor that is pure
+noise (a gradient that is exactly zero in exact arithmetic, such as an attention key bias,
+measures noise as large as itself), which would otherwise blind the whole kind.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from reference.cache import cached_reference
+from reference.cache import cached_noise_replay, cached_reference
 from reference.case import Case
 from reference.record import Record, dtype_from_str
 from reference.trainer import ReferenceVariant
@@ -117,18 +125,23 @@ class CalibratedTolerances:
     noise: dict[tuple[int, str, str], tuple[float, float]]
     variants: list[str]
     safety: float = 4.0
+    stepwise: bool = False  # measured one step at a time from the reference's own state
 
     def __post_init__(self) -> None:
-        self._relative: dict[tuple[int, str], float] = {}
+        per_kind: dict[tuple[int, str], list[float]] = {}
         for (step, kind, _), (abs_noise, scale) in self.noise.items():
-            rel = abs_noise / scale if scale > 0 else 0.0
-            self._relative[(step, kind)] = max(self._relative.get((step, kind), 0.0), rel)
+            if scale > 0:
+                per_kind.setdefault((step, kind), []).append(abs_noise / scale)
+        self._relative: dict[tuple[int, str], float] = {key: _median(rels) for key, rels in per_kind.items()}
 
     def for_tensor(self, step: int, kind: str, name: str, dtype: torch.dtype, scale: float) -> Tolerance:
         key = (step, kind, name)
         if not dtype.is_floating_point or key not in self.noise:
             fallback = DefaultTolerances().for_tensor(step, kind, name, dtype, scale)
-            return Tolerance(fallback.rtol, fallback.atol, fallback.source, f"not calibrated; {fallback.reason}")
+            why = "not calibrated"
+            if self.stepwise and kind in ("param", "optim"):
+                why = "an update from the same parameters, optimizer state and gradients (no reduction noise)"
+            return Tolerance(fallback.rtol, fallback.atol, fallback.source, f"{why}; {fallback.reason}")
         rtol, _, floor = _default(dtype)
         abs_noise, _ = self.noise[key]
         rel = self._relative.get((step, kind), 0.0)
@@ -144,6 +157,7 @@ class CalibratedTolerances:
     def describe(self) -> dict[str, Any]:
         return {
             "mode": "calibrated",
+            "stepwise": self.stepwise,
             "variants": self.variants,
             "safety": self.safety,
             "relative_noise": {f"{s}:{k}": v for (s, k), v in sorted(self._relative.items())},
@@ -153,6 +167,7 @@ class CalibratedTolerances:
         return {
             "variants": self.variants,
             "safety": self.safety,
+            "stepwise": self.stepwise,
             "noise": [[s, k, n, a, sc] for (s, k, n), (a, sc) in self.noise.items()],
         }
 
@@ -162,17 +177,43 @@ class CalibratedTolerances:
             noise={(int(s), k, n): (float(a), float(sc)) for s, k, n, a, sc in data["noise"]},
             variants=list(data["variants"]),
             safety=float(data["safety"]),
+            stepwise=bool(data.get("stepwise", False)),
         )
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def forward_draws_random_numbers(case: Case) -> bool:
+    """Whether the model's training forward consumes torch's RNG (dropout, as a module or as
+    ``F.dropout`` inside ``forward``): measured by running one micro-batch and watching the
+    generator's state, so no module type has to be known."""
+    from reference.case import collate
+    from reference.schedule import micro_batch_indices
+
+    with torch.random.fork_rng(devices=[]):
+        model = case.build_model("cpu")
+        batch = collate(case.dataset, micro_batch_indices(case, 0)[0], dtype=case.dtype)
+        torch.manual_seed(case.seed)
+        before = torch.get_rng_state()
+        with torch.no_grad():
+            model(batch.inputs)
+        return not torch.equal(before, torch.get_rng_state())
 
 
 def calibration_variants(case: Case) -> list[ReferenceVariant]:
     """The equivalent reruns used to measure noise: float64 from the same rounded start, and
     a different reduction order (twice the micro-batches where the batch allows it, each fed
-    in reverse)."""
+    in reverse). A model whose forward draws random numbers (dropout) gets no reordered rerun:
+    its masks would land on other samples, which is not the same computation."""
     variants = [ReferenceVariant(upcast=torch.float64)] if case.dtype != torch.float64 else []
-    doubled = case.micro_batches * 2
-    micro = doubled if case.global_batch_size % doubled == 0 else None
-    variants.append(ReferenceVariant(micro_batches=micro, reverse=True))
+    if not forward_draws_random_numbers(case):
+        doubled = case.micro_batches * 2
+        micro = doubled if case.global_batch_size % doubled == 0 else None
+        variants.append(ReferenceVariant(micro_batches=micro, reverse=True))
     return variants
 
 
@@ -190,7 +231,13 @@ def _loss_entries(record: Record, step: int, with_micro: bool) -> dict[str, floa
     return entries
 
 
-def _measure(reference: Record, other: Record, same_micro: bool, noise: dict[tuple[int, str, str], tuple[float, float]]) -> None:
+def _measure(
+    reference: Record,
+    other: Record,
+    same_micro: bool,
+    noise: dict[tuple[int, str, str], tuple[float, float]],
+    kinds: Sequence[str] = ("grad", "param", "optim"),
+) -> None:
     def add(key: tuple[int, str, str], abs_noise: float, scale: float) -> None:
         old = noise.get(key, (0.0, scale))
         noise[key] = (max(old[0], abs_noise), scale)
@@ -205,7 +252,7 @@ def _measure(reference: Record, other: Record, same_micro: bool, noise: dict[tup
                 add((step, "loss", name), abs(float(other_loss[name]) - value), abs(value))
             else:
                 add((step, "loss", name), 0.0, abs(value))
-        for kind in ("grad", "param", "optim"):
+        for kind in kinds:
             other_names = set(other.step(step).names(kind))
             for name in reference.step(step).names(kind):
                 ref = reference.tensor(step, kind, name).double()
@@ -225,15 +272,24 @@ def calibrate(
     device: torch.device | str = "cpu",
     variants: Sequence[ReferenceVariant] | None = None,
     safety: float = 4.0,
+    stepwise: bool = False,
 ) -> CalibratedTolerances:
     """Measure ``reference``'s numerical noise by retraining ``case`` in equivalent ways (cached
-    like the reference) and turn it into per-tensor tolerances."""
+    like the reference) and turn it into per-tensor tolerances. ``stepwise``: each equivalent
+    run takes every step from the reference's own state and only the loss and gradients are
+    measured (the noise of one step, for the same-start comparison)."""
     variants = list(variants) if variants is not None else calibration_variants(case)
     noise: dict[tuple[int, str, str], tuple[float, float]] = {}
     for variant in variants:
-        other = cached_reference(case, cache=cache, device=device, variant=variant)
-        _measure(reference, other, variant.micro_batches in (None, case.micro_batches), noise)
-    return CalibratedTolerances(noise, [_variant_label(v) for v in variants], safety)
+        same_micro = variant.micro_batches in (None, case.micro_batches)
+        if stepwise:
+            other = cached_noise_replay(case, variant, cache=cache, device=device)
+            _measure(reference, other, same_micro, noise, kinds=("grad",))
+        else:
+            other = cached_reference(case, cache=cache, device=device, variant=variant)
+            _measure(reference, other, same_micro, noise)
+    labels = [_variant_label(v) + (", one step from the reference's state" if stepwise else "") for v in variants]
+    return CalibratedTolerances(noise, labels, safety, stepwise=stepwise)
 
 
 def reference_dtype(record: Record) -> torch.dtype:

@@ -24,7 +24,7 @@ from .record import Record, RecordError
 from .schedule import global_batch_indices
 from .trainer import ReferenceVariant, train_reference
 
-__all__ = ["cache_dir", "cached_reference", "case_fingerprint"]
+__all__ = ["cache_dir", "cached_noise_replay", "cached_reference", "case_fingerprint"]
 
 CACHE_ENV = "HARNESS_CACHE_DIR"
 
@@ -93,22 +93,10 @@ def case_fingerprint(
     return h.hexdigest()
 
 
-def cached_reference(
-    case: Case,
-    *,
-    cache: str | os.PathLike[str] | None = None,
-    device: torch.device | str = "cpu",
-    variant: ReferenceVariant | None = None,
-    refresh: bool = False,
-) -> Record:
-    """The reference record of ``case``, trained once and then loaded from the cache.
-
-    Safe when several processes ask at once: each trains into its own staging directory and
+def _cached(path: Path, fingerprint: str, refresh: bool, train: Any) -> Record:
+    """Load the complete record at ``path`` with ``fingerprint``, or ``train(path, overwrite)``
+    it. Safe when several processes ask at once: each trains into its own staging directory and
     the first to finish publishes; the others load that record."""
-    case.validate()
-    fingerprint = case_fingerprint(case, device=device, variant=variant)
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.name)[:60] or "case"
-    path = Path(cache or cache_dir()) / "reference" / f"{slug}-{fingerprint[:20]}"
     if not refresh:
         try:
             existing = Record.load(path)
@@ -118,10 +106,7 @@ def cached_reference(
             return existing
     overwrite = refresh or path.exists()
     try:
-        return train_reference(
-            case, path, device=device, variant=variant, overwrite=overwrite,
-            meta={"fingerprint": fingerprint},
-        )
+        return train(path, overwrite)
     except RecordError as exc:
         # Another process may have published the same record while we trained: use theirs.
         try:
@@ -131,3 +116,54 @@ def cached_reference(
         if existing.complete and existing.meta.get("fingerprint") == fingerprint:
             return existing
         raise
+
+
+def _slug(case: Case) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", case.name)[:60] or "case"
+
+
+def cached_reference(
+    case: Case,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    device: torch.device | str = "cpu",
+    variant: ReferenceVariant | None = None,
+    refresh: bool = False,
+) -> Record:
+    """The reference record of ``case``, trained once and then loaded from the cache."""
+    case.validate()
+    fingerprint = case_fingerprint(case, device=device, variant=variant)
+    path = Path(cache or cache_dir()) / "reference" / f"{_slug(case)}-{fingerprint[:20]}"
+    return _cached(
+        path, fingerprint, refresh,
+        lambda p, overwrite: train_reference(
+            case, p, device=device, variant=variant, overwrite=overwrite, meta={"fingerprint": fingerprint}
+        ),
+    )
+
+
+def cached_noise_replay(
+    case: Case,
+    variant: ReferenceVariant,
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    device: torch.device | str = "cpu",
+    refresh: bool = False,
+) -> Record:
+    """The reference's one-step noise run: ``variant`` replayed step by step from the reference's
+    own state (:func:`reference.replay.replay_reference`, gradients and losses only), cached
+    like the reference."""
+    from .replay import replay_reference
+
+    reference = cached_reference(case, cache=cache, device=device)
+    fingerprint = hashlib.sha256(
+        (str(reference.meta.get("fingerprint")) + "\0replay\0" + case_fingerprint(case, device=device, variant=variant)).encode()
+    ).hexdigest()
+    path = Path(cache or cache_dir()) / "replay" / f"{_slug(case)}-{fingerprint[:20]}"
+    return _cached(
+        path, fingerprint, refresh,
+        lambda p, overwrite: replay_reference(
+            case, reference, p, device=device, variant=variant, apply_source_grads=False, overwrite=overwrite,
+            meta={"fingerprint": fingerprint},
+        ),
+    )

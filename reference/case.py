@@ -22,6 +22,7 @@ __all__ = [
     "CaseError",
     "Sample",
     "callable_name",
+    "cast_floating",
     "SampleDataset",
     "check_dataset",
     "collate",
@@ -109,6 +110,29 @@ def callable_name(fn: Any) -> str:
     module = getattr(fn, "__module__", None) or type(fn).__module__
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{qualname}"
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast ``model``'s floating-point parameters and buffers to ``dtype`` in place and return
+    it. Unlike ``model.to(dtype)``, complex tensors (torchtitan's complex64 RoPE cache) and
+    integer ones are left alone: ``.to`` would drop a complex tensor's imaginary part."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[name] = buf.to(dtype)
+    return model
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and every buffer, persistent or not (a non-persistent RoPE cache is not in the
+    state dict but decides the forward all the same)."""
+    state = dict(model.state_dict())
+    for name, buf in model.named_buffers():
+        state.setdefault(name, buf)
+    return state
 
 
 def _to_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -247,7 +271,9 @@ class Case:
         """Seed, call ``model_factory``, cast to the case dtype and move to ``device``.
 
         Weights are created in float32 and then cast, so float64 / bf16 variants of the
-        case start from the same values (up to rounding)."""
+        case start from the same values (up to rounding). Only floating-point parameters and
+        buffers are cast (:func:`cast_floating`): complex ones (a RoPE cache) and integer ones
+        stay as the factory made them."""
         torch.manual_seed(self.seed)
         model = self.model_factory()
         if not isinstance(model, nn.Module):
@@ -255,7 +281,7 @@ class Case:
                 f"case {self.name!r}: model_factory returned {type(model).__name__}, "
                 "expected torch.nn.Module"
             )
-        model = model.to(dtype=dtype or self.dtype)
+        model = cast_floating(model, dtype or self.dtype)
         if device is not None:
             model = model.to(device)
         return model.train()
@@ -272,8 +298,7 @@ class Case:
     def check_model_factory(self) -> None:
         """Raise :class:`CaseError` when two seeded builds differ (the strategy's ranks would
         then not start from the reference's weights)."""
-        first = self.build_model(device="cpu").state_dict()
-        second = self.build_model(device="cpu").state_dict()
+        first, second = (_model_state(self.build_model(device="cpu")) for _ in range(2))
         if list(first) != list(second):
             raise CaseError(
                 f"case {self.name!r}: model_factory is not deterministic: two builds have "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .case import Case, CaseError, check_dataset, collate
+from .case import Case, CaseError, cast_floating, check_dataset, collate
 from .record import (
     Record,
     RecordWriter,
@@ -103,7 +103,7 @@ def train_reference(
     device = torch.device(device)
     model = case.build_model(device)
     if variant.upcast is not None:
-        model = model.to(variant.upcast)
+        model = cast_floating(model, variant.upcast)
     writer = RecordWriter(
         path,
         {
@@ -157,7 +157,15 @@ class _Training:
         self.param_names = {id(p): n for n, p in self.named}
 
     def step(self, step: int) -> None:
-        case, rec = self.case, self.writer.step(step)
+        rec = self.writer.step(step)
+        self.forward_backward(step, rec)
+        self.record_grads(step)
+        self.optimizer.step()
+        self.record_update(step, rec)
+
+    def forward_backward(self, step: int, rec: Any) -> None:
+        """Forward and backward over the step's micro-batches; records losses and sample ids."""
+        case = self.case
         weighted = 0.0
         for indices in micro_batch_indices(self.schedule, step):
             if self.variant.reverse:
@@ -177,10 +185,13 @@ class _Training:
         rec.loss = weighted / case.global_batch_size
         _check_finite(math.isfinite(rec.loss), step, "loss", "loss", case)
 
+    def record_grads(self, step: int) -> None:
         for name, param in self.named:
             if param.grad is not None:
                 self._add(step, "grad", name, param.grad)
-        self.optimizer.step()
+
+    def record_update(self, step: int, rec: Any) -> None:
+        """Parameters and optimizer state after the optimizer step; clears the gradients."""
         for name, param in self.named:
             self._add(step, "param", name, param)
         for name, value in optimizer_state_items(self.optimizer, self.named):

@@ -327,8 +327,13 @@ def test_hypothesis_seed_reproduces_the_configs_in_a_new_process(pytester: pytes
 
 def test_the_bf16_adamw_sign_flip_the_search_found_now_passes(rank_runner, reference_cache) -> None:
     outcome = search.check_config(rank_runner, "ddp", BF16_ADAMW_SIGN_FLIP, cache=reference_cache, max_world=3)
-    assert outcome.passed, outcome.result.comparison.summary()
-    assert any(t.excused for t in outcome.result.comparison.tensors), "the flip is no longer exercised"
+    comparison = outcome.result.comparison
+    assert outcome.passed, comparison.summary()
+    # The flip still happens along the trajectory (where the AdamW sign-noise rule accepts it)...
+    assert comparison.trajectory["excused"] > 0, "the flip is no longer exercised"
+    # ...but the stepwise check needs no such rule: each update is checked from the run's own
+    # gradients, so the optimizer cannot amplify their rounding noise.
+    assert comparison.mode == "stepwise" and not any(t.excused for t in comparison.tensors)
 
 
 @pytest.mark.slow

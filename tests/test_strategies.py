@@ -98,7 +98,11 @@ def test_a_row_parallel_output_without_its_all_reduce_fails(dist_ctx, tmp_path, 
     first = result.comparison.first_divergence
     assert first is not None and first.step == 0 and first.entries[0] == ("loss", "loss")
     failed = {(t.kind, t.name) for t in result.comparison.failures() if t.step == 0}
-    assert ("grad", "layers.0.attn.o.weight") in failed and ("param", "layers.0.attn.o.weight") in failed
+    assert ("grad", "layers.0.attn.o.weight") in failed
+    # Stepwise, the update is checked from the run's own (wrong) gradients and matches; the
+    # trajectory view shows the parameters it moved.
+    assert ("param", "layers.0.attn.o.weight") not in failed
+    assert not result.comparison.trajectory["within_tolerance"]
 
 
 @pytest.mark.distributed(nproc=2)

@@ -14,6 +14,7 @@ until the last one (FSDP2's ``no_sync``): one reduce-scatter per step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -25,17 +26,72 @@ from harness.parallel_dims import ParallelDims
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
 from reference.case import Batch, Case
 
-__all__ = ["FSDPStrategy", "apply_fsdp", "fsdp_units", "run_accumulating"]
+__all__ = ["FSDPStrategy", "apply_fsdp", "blocks_of_class", "fsdp_units", "repeated_blocks", "run_accumulating"]
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The model's repeated block list: the ``ModuleList`` / ``ModuleDict`` of two or more
+    children of one class that each own parameters, holding the most parameters (a Hugging Face
+    ``model.layers`` or ``transformer.h``, torchtitan's ``layers``, ``TinyTransformer.layers``).
+    Returns its name and blocks, or None."""
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        blocks = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
+        if len(blocks) < 2 or len({type(b) for b in blocks}) != 1:
+            continue
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        if min(sizes) == 0:
+            continue
+        if best is None or sum(sizes) > best[0]:
+            best = (sum(sizes), name, blocks)
+    return (best[1], best[2]) if best is not None else None
+
+
+def blocks_of_class(*classes: type | str) -> Callable[[nn.Module], list[nn.Module]]:
+    """FSDP units: every submodule of one of ``classes`` (types or class names such as
+    ``"LlamaDecoderLayer"``), outermost first; nested matches inside a matched unit are skipped."""
+    wanted = tuple(c for c in classes if isinstance(c, type))
+    names = {c for c in classes if isinstance(c, str)}
+
+    def units(model: nn.Module) -> list[nn.Module]:
+        found: list[nn.Module] = []
+        inside: set[str] = set()
+        for name, module in model.named_modules():
+            if module is model or any(name.startswith(p + ".") for p in inside):
+                continue
+            if isinstance(module, wanted) or type(module).__name__ in names:
+                found.append(module)
+                inside.add(name)
+        if not found:
+            raise ValueError(
+                f"FSDP units: {type(model).__name__} has no submodule of class "
+                f"{sorted(names | {c.__name__ for c in wanted})}; its classes include "
+                f"{sorted({type(m).__name__ for m in model.modules()})[:12]}"
+            )
+        return found
+
+    units.__name__ = f"blocks_of_class({', '.join(sorted(names | {c.__name__ for c in wanted}))})"
+    return units
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules that get their own ``fully_shard`` group, innermost first: the blocks of
-    a model with a ``layers`` container (``TinyTransformer``), else every direct child that
-    owns parameters. The root is sharded after these and takes what is left."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
-        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-    return [child for child in model.children() if any(True for _ in child.parameters())]
+    """The submodules that get their own ``fully_shard`` group: the blocks of the model's
+    repeated block list (:func:`repeated_blocks`). A model without one falls back to every
+    direct child that owns parameters, with a warning naming them. The root is sharded after
+    these and takes what is left."""
+    found = repeated_blocks(model)
+    if found is not None:
+        return found[1]
+    children = [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+    warnings.warn(
+        f"FSDP units: {type(model).__name__} has no repeated block list (a ModuleList of one block "
+        f"class); sharding each direct child that owns parameters instead: {[n for n, _ in children]}. "
+        "Pass units=blocks_of_class(...) to choose",
+        stacklevel=2,
+    )
+    return [c for _, c in children]
 
 
 def apply_fsdp(

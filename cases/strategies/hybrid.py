@@ -41,7 +41,7 @@ from harness.strategy import DistContextLike, RankSetup, StrategyBase
 from reference.case import Batch, Case
 
 from .fsdp import apply_fsdp, fsdp_units, run_accumulating
-from .tp import apply_tensor_parallel
+from .tp import Plan, apply_tensor_parallel
 
 __all__ = ["DDPTensorParallelStrategy", "FSDPTensorParallelStrategy", "apply_replicate"]
 
@@ -64,10 +64,13 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 class _DataTensorParallel(StrategyBase):
     """Shared 2-D setup: TP over ``mesh["tp"]``, then :meth:`data_parallel` over ``mesh["dp"]``."""
 
-    def __init__(self, tp: int = 2):
+    def __init__(self, tp: int = 2, plan: Plan | None = None):
+        """``plan``: the tensor-parallel plan (see :func:`cases.strategies.tp.expand_plan`;
+        default: the bundled models' plan)."""
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
             raise ParallelConfigError(f"{type(self).__name__}: tp must be an int >= 2, got {tp!r}")
         self.tp = tp
+        self.plan = plan
 
     def data_parallel(self, model: nn.Module, dp_mesh: DeviceMesh) -> None:
         raise NotImplementedError
@@ -81,7 +84,7 @@ class _DataTensorParallel(StrategyBase):
             )
         mesh = dims.build_mesh(ctx.device.type)
         model = case.build_model(ctx.device)
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], self.plan)
         self.data_parallel(model, mesh["dp"])
         return RankSetup.on_mesh(case, ctx, model, dims, mesh)
 

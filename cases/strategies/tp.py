@@ -22,7 +22,9 @@ holds only some blocks) or before data parallelism (:mod:`cases.strategies.hybri
 
 from __future__ import annotations
 
-from typing import TypeVar
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import TypeVar, Union
 
 import torch
 from torch import nn
@@ -45,12 +47,16 @@ __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "colwise",
+    "expand_plan",
     "replica_forward_backward",
     "rowwise",
     "tensor_parallel_plan",
 ]
 
 M = TypeVar("M", bound=nn.Module)
+# A plan: module name (or fnmatch pattern, "model.layers.*.mlp.down_proj") -> style, or a
+# function of the model that returns one.
+Plan = Union[Mapping[str, ParallelStyle], Callable[[nn.Module], Mapping[str, ParallelStyle]]]
 
 
 def colwise() -> ColwiseParallel:
@@ -89,6 +95,36 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     )
 
 
+def expand_plan(model: nn.Module, plan: Plan | None) -> dict[str, ParallelStyle]:
+    """``plan`` as ``parallelize_module`` takes it: a callable is called with ``model``, and
+    each key that is a pattern (``*``, ``?``, ``[...]``, matched with :mod:`fnmatch` against the
+    module names of ``model``) becomes the names it matches. None: :func:`tensor_parallel_plan`.
+    A key that matches no module is an error naming close module names (a typo would otherwise
+    leave that layer silently replicated)."""
+    if plan is None:
+        return tensor_parallel_plan(model)
+    if callable(plan) and not isinstance(plan, Mapping):
+        plan = plan(model)
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"a tensor-parallel plan is a mapping of module names to ParallelStyle, got {type(plan).__name__}")
+    names = [n for n, _ in model.named_modules() if n]
+    expanded: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"plan entry {key!r}: {style!r} is not a torch.distributed.tensor.parallel.ParallelStyle")
+        matched = [n for n in names if fnmatch.fnmatchcase(n, key)] if any(c in key for c in "*?[") else [key] if key in names else []
+        if not matched:
+            last = key.rsplit(".", 1)[-1]
+            close = [n for n in names if last.strip("*?") and last.strip("*?") in n][:5] or names[:5]
+            raise ValueError(
+                f"tensor-parallel plan entry {key!r} matches no module of {type(model).__name__}; "
+                f"module names look like {close}"
+            )
+        for name in matched:
+            expanded[name] = style
+    return expanded
+
+
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     """Raise :class:`ParallelConfigError` when ``model``'s split dims do not divide by ``tp``:
     head count, hidden size and MLP width of a ``TinyTransformer``, fc1's width of an MLP."""
@@ -98,9 +134,10 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
         raise ParallelConfigError(f"MLP width fc1.out_features={model.fc1.out_features} is not divisible by tp={tp}")
 
 
-def apply_tensor_parallel(model: M, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle] | None = None) -> M:
+def apply_tensor_parallel(model: M, tp_mesh: DeviceMesh, plan: Plan | None = None) -> M:
     """Shard ``model`` in place over the 1-D tensor-parallel mesh ``tp_mesh`` (e.g.
-    ``mesh["tp"]``) with :func:`tensor_parallel_plan` (or ``plan``) and return it.
+    ``mesh["tp"]``) with :func:`tensor_parallel_plan` (or ``plan``, see :func:`expand_plan`)
+    and return it.
 
     Works on a pipeline stage: only the blocks it holds are planned, and missing embedding /
     norm / head are fine. Call it before any data-parallel wrapper (FSDP2, DDP)."""
@@ -110,7 +147,7 @@ def apply_tensor_parallel(model: M, tp_mesh: DeviceMesh, plan: dict[str, Paralle
             f"{tp_mesh.mesh_dim_names}; pass mesh['tp']"
         )
     check_tensor_parallel(model, tp_mesh.size())
-    parallelize_module(model, tp_mesh, plan if plan is not None else tensor_parallel_plan(model))
+    parallelize_module(model, tp_mesh, expand_plan(model, plan))
     return model
 
 
@@ -135,9 +172,14 @@ class TensorParallelStrategy(StrategyBase):
 
     name = "tp"
 
+    def __init__(self, plan: Plan | None = None):
+        """``plan``: module names or fnmatch patterns -> ``ParallelStyle`` (or a function of the
+        model returning that); default :func:`tensor_parallel_plan` for the bundled models."""
+        self._plan = plan
+
     def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
-        """The plan applied (override to try another one)."""
-        return tensor_parallel_plan(model)
+        """The plan applied (pass ``plan=`` or override to try another one)."""
+        return expand_plan(model, getattr(self, "_plan", None))
 
     def setup(self, case: Case, ctx: DistContextLike) -> RankSetup:
         dims = ParallelDims(tp=ctx.world_size)

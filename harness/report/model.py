@@ -9,7 +9,10 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
       "error": str,                      # launcher report for "error" / "hang", else ""
       "target": {"name", "source", "case", "strategy", "nproc", "steps", "expected_code", "description"},
       "losses": {"reference": [float|null per step], "parallel": [...],
-                 "reference_micro": [[...]], "parallel_micro": [[...]]},
+                 "reference_micro": [[...]], "parallel_micro": [[...]],
+                 "stepwise": [...]},     # the reference's loss from the run's own state per step
+      "comparison": ... "mode": "stepwise" | "trajectory", "trajectory": {"line", "per_step",
+                     "first_divergence", "within_tolerance"} (secondary view, not the verdict)
       "comparison": {... CompareResult.to_dict(): "passed", "tensors": [{"step", "kind", "name",
                      "passed", "max_abs", "max_rel", "scale", "worst_index", ...}],
                      "first_divergence": {"step", "entries"} | null, "structure", "samples", ...} | null,
@@ -119,6 +122,7 @@ def build_report(
     comparison: Any = None,
     reference: Any = None,
     actual: Any = None,
+    stepwise: Any = None,
     trace: Any = None,
     diagnoses: list[Diagnosis] | None = None,
     error: str = "",
@@ -145,6 +149,8 @@ def build_report(
         losses["reference"] = [s.loss for s in reference.steps]
         losses["reference_micro"] = [list(s.micro_losses) for s in reference.steps]
         samples["reference"] = {str(s.step): list(s.sample_ids) for s in reference.steps}
+    if stepwise is not None:
+        losses["stepwise"] = [s.loss for s in stepwise.steps]
     if actual is not None:
         losses["parallel"] = [s.loss for s in actual.steps]
         losses["parallel_micro"] = [list(s.micro_losses) for s in actual.steps]

@@ -1,0 +1,168 @@
+"""Real third-party model code: tiny Hugging Face ``transformers`` models built from configs in
+code (nothing is downloaded), as cases the harness checks like its own.
+
+``transformers`` is an optional dependency (``pip install -e ".[test]"``); importing this module
+works without it, building a model does not. The factories are module-level partials so a case
+travels to the ranks by pickling.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from reference.case import Case
+
+from .catalog import OPTIMIZERS, lm_loss
+from .data import SyntheticTokens
+
+__all__ = [
+    "HF_MODELS",
+    "Conv1DColwise",
+    "Conv1DRowwise",
+    "gpt2_tp_plan",
+    "hf_case",
+    "hf_lm_loss",
+    "llama_tp_plan",
+    "tiny_gpt2",
+    "tiny_llama",
+]
+
+
+def tiny_llama(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, seq: int = 16) -> nn.Module:
+    """``LlamaForCausalLM`` with 2 layers, hidden 32 (random init, no cache)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq, use_cache=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_gpt2(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, seq: int = 16) -> nn.Module:
+    """``GPT2LMHeadModel`` with 2 layers, hidden 32, dropout off (random init, no cache)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def hf_lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of a causal LM's output: a Hugging Face ``ModelOutput``
+    (its ``logits``), or plain logits."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return lm_loss(logits, targets)
+
+
+def hf_case(
+    model: str = "llama",
+    *,
+    optimizer: str = "adamw",
+    dtype: torch.dtype = torch.float32,
+    steps: int = 3,
+    global_batch_size: int = 8,
+    micro_batches: int = 1,
+    seq_len: int = 8,
+) -> Case:
+    """A tiny Hugging Face causal LM (``"llama"`` or ``"gpt2"``) on synthetic tokens."""
+    if model not in HF_MODELS:
+        raise ValueError(f"unknown Hugging Face model {model!r}; allowed: {', '.join(HF_MODELS)}")
+    suffix = f"-{str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else ""
+    return Case(
+        name=f"hf-{model}-{optimizer}{suffix}",
+        model_factory=functools.partial(HF_MODELS[model]),
+        dataset=SyntheticTokens(64, seq_len, 32),
+        loss_fn=hf_lm_loss,
+        optimizer_factory=OPTIMIZERS[optimizer],
+        global_batch_size=global_batch_size,
+        micro_batches=micro_batches,
+        steps=steps,
+        dtype=dtype,
+    )
+
+
+def llama_tp_plan() -> dict[str, ParallelStyle]:
+    """Megatron-style tensor parallelism of every Llama decoder layer, by module-name pattern:
+    q/k/v and the MLP's gate/up column-wise (local heads and columns), o and down row-wise."""
+    from .strategies.tp import colwise, rowwise
+
+    layer = "model.layers.*"
+    return {
+        f"{layer}.self_attn.q_proj": colwise(),
+        f"{layer}.self_attn.k_proj": colwise(),
+        f"{layer}.self_attn.v_proj": colwise(),
+        f"{layer}.self_attn.o_proj": rowwise(),
+        f"{layer}.mlp.gate_proj": colwise(),
+        f"{layer}.mlp.up_proj": colwise(),
+        f"{layer}.mlp.down_proj": rowwise(),
+    }
+
+
+class Conv1DColwise(ColwiseParallel):
+    """``ColwiseParallel`` that also takes transformers' ``Conv1D`` (GPT-2's linear layers,
+    whose weight is ``[in, out]``): the weight is sharded on dim 1, the bias on dim 0."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in module.named_parameters():
+            placement = Shard(1) if pname == "weight" else Shard(0)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            ))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module).__name__ != "Conv1D":
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """``RowwiseParallel`` that also takes transformers' ``Conv1D``: the weight (``[in, out]``)
+    is sharded on dim 0, the bias replicated."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in module.named_parameters():
+            placement = Shard(0) if pname == "weight" else Replicate()
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            ))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module).__name__ != "Conv1D":
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def gpt2_tp_plan() -> dict[str, ParallelStyle]:
+    """Tensor parallelism of GPT-2's MLPs (``c_fc`` column-wise, ``c_proj`` row-wise). The
+    attention stays replicated: its fused ``c_attn`` splits q/k/v by a global width, so an even
+    column split would hand a rank parts of two of them."""
+    return {
+        "transformer.h.*.mlp.c_fc": Conv1DColwise(input_layouts=Replicate(), output_layouts=Shard(-1)),
+        "transformer.h.*.mlp.c_proj": Conv1DRowwise(input_layouts=Shard(-1), output_layouts=Replicate()),
+    }
