@@ -113,49 +113,49 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-class Conv1DColwise(ColwiseParallel):
+class _Conv1DStyle:
+    """Shared by the Conv1D styles: partition a ``Conv1D`` with :meth:`_conv1d_placement` per
+    parameter, with the style's own input / output handling; other modules as the base style."""
+
+    def _conv1d_placement(self, pname: str) -> Any:
+        raise NotImplementedError
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in module.named_parameters():
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [self._conv1d_placement(pname)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            ))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module).__name__ != "Conv1D":
+            return super()._apply(module, device_mesh)  # type: ignore[misc]
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DColwise(_Conv1DStyle, ColwiseParallel):
     """``ColwiseParallel`` that also takes transformers' ``Conv1D`` (GPT-2's linear layers,
     whose weight is ``[in, out]``): the weight is sharded on dim 1, the bias on dim 0."""
 
-    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for pname, param in module.named_parameters():
-            placement = Shard(1) if pname == "weight" else Shard(0)
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            ))
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module).__name__ != "Conv1D":
-            return super()._apply(module, device_mesh)
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+    def _conv1d_placement(self, pname: str) -> Any:
+        return Shard(1) if pname == "weight" else Shard(0)
 
 
-class Conv1DRowwise(RowwiseParallel):
+class Conv1DRowwise(_Conv1DStyle, RowwiseParallel):
     """``RowwiseParallel`` that also takes transformers' ``Conv1D``: the weight (``[in, out]``)
-    is sharded on dim 0, the bias replicated."""
+    is sharded on dim 0, the bias replicated; the input arrives sharded on its last dim."""
 
-    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for pname, param in module.named_parameters():
-            placement = Shard(0) if pname == "weight" else Replicate()
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            ))
+    def _conv1d_placement(self, pname: str) -> Any:
+        return Shard(0) if pname == "weight" else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module).__name__ != "Conv1D":
-            return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        if type(module).__name__ == "Conv1D":
+            self.desired_input_layouts = (Shard(-1),)
+        return super()._apply(module, device_mesh)
 
 
 def gpt2_tp_plan() -> dict[str, ParallelStyle]:

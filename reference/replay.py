@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from .case import Case, cast_floating, check_dataset
-from .record import Record, RecordWriter, optim_state_name
+from .case import Case, check_dataset
+from .record import Record, optim_state_name
 from .schedule import global_batch_indices
-from .trainer import ReferenceVariant, _Training, dropout_info
+from .trainer import ReferenceVariant, _Training
 
 __all__ = ["replay_reference"]
 
@@ -103,51 +103,24 @@ def replay_reference(
     variant = variant or ReferenceVariant()
     case.validate()
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
-    device = torch.device(device)
-    model = case.build_model(device)
-    if variant.upcast is not None:
-        model = cast_floating(model, variant.upcast)
-    writer = RecordWriter(
-        path,
-        {
-            "source": "replay:" + source.source,
-            "replayed_from": str(source.path),
-            "case": case.describe(),
-            "device": str(device),
-            "dtype": str(variant.upcast or case.dtype),
-            "variant": variant.describe(),
-            "world_size": 1,
-            "dropout": dropout_info(model),
-            **(meta or {}),
-        },
-        overwrite=overwrite,
+    training = _Training.open(
+        case, path, device=device, variant=variant, source="replay:" + source.source,
+        meta={"replayed_from": str(source.path), **(meta or {})}, overwrite=overwrite,
     )
-    training = _Training(case, variant, model, case.build_optimizer(model.parameters()), writer, device)
-    steps = min(case.steps, source.num_steps)
-    lacking: dict[int, list[str]] = {}
-    torch.manual_seed(case.seed)  # the training RNG (dropout) starts where the reference's does
-    try:
-        for step in range(steps):
-            rec = writer.step(step)
-            if step > 0:
-                if missing := _load_params(training, source, step - 1):
-                    lacking[step] = missing
-            training.forward_backward(step, rec)
-            training.record_grads(step)
-            if not apply_source_grads:
-                training.optimizer.zero_grad(set_to_none=True)
-                continue
-            _load_grads(training, source, step)
-            if step > 0:
-                _load_optimizer_state(training, source, step - 1)
-            training.optimizer.step()
-            training.record_update(step, rec)
-            if lacking.get(step):
-                rec.extra["params_not_in_source"] = lacking[step]
-    except BaseException:
-        try:
-            writer.finish(complete=False)
-        except Exception:
-            writer.abort()
-        raise
-    return writer.finish(complete=True)
+
+    def step_from_source(step: int) -> None:
+        rec = training.writer.step(step)
+        if step > 0 and (lacking := _load_params(training, source, step - 1)):
+            rec.extra["params_not_in_source"] = lacking
+        training.forward_backward(step, rec)
+        training.record_grads(step)
+        if not apply_source_grads:
+            training.optimizer.zero_grad(set_to_none=True)
+            return
+        _load_grads(training, source, step)
+        if step > 0:
+            _load_optimizer_state(training, source, step - 1)
+        training.optimizer.step()
+        training.record_update(step, rec)
+
+    return training.train(step_from_source, min(case.steps, source.num_steps))

@@ -100,37 +100,8 @@ def train_reference(
     used = [i for s in range(case.steps) for i in global_batch_indices(case, s)]
     check_dataset(case.dataset, sorted(set(used)))
 
-    device = torch.device(device)
-    model = case.build_model(device)
-    if variant.upcast is not None:
-        model = cast_floating(model, variant.upcast)
-    writer = RecordWriter(
-        path,
-        {
-            "source": "reference",
-            "case": case.describe(),
-            "device": str(device),
-            "dtype": str(variant.upcast or case.dtype),
-            "variant": variant.describe(),
-            "world_size": 1,
-            "dropout": dropout_info(model),
-            **(meta or {}),
-        },
-        overwrite=overwrite,
-    )
-    run = _Training(case, variant, model, case.build_optimizer(model.parameters()), writer, device)
-    torch.manual_seed(case.seed)  # the training RNG (dropout) starts from the case seed
-    try:
-        for step in range(case.steps):
-            run.step(step)
-    except BaseException:
-        # A failed run still publishes the steps it recorded (nothing recorded is lost).
-        try:
-            writer.finish(complete=False)
-        except Exception:
-            writer.abort()
-        raise
-    return writer.finish(complete=True)
+    run = _Training.open(case, path, device=device, variant=variant, source="reference", meta=meta, overwrite=overwrite)
+    return run.train(lambda step: run.step(step), case.steps)
 
 
 class _Training:
@@ -155,6 +126,54 @@ class _Training:
         self.dtype = variant.upcast or case.dtype
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
+
+    @classmethod
+    def open(
+        cls,
+        case: Case,
+        path: str | os.PathLike[str],
+        *,
+        device: torch.device | str,
+        variant: ReferenceVariant,
+        source: str,
+        meta: Mapping[str, Any] | None,
+        overwrite: bool,
+    ) -> "_Training":
+        """The case's model (in the variant's dtype), its optimizer and a record writer."""
+        device = torch.device(device)
+        model = case.build_model(device)
+        if variant.upcast is not None:
+            model = cast_floating(model, variant.upcast)
+        writer = RecordWriter(
+            path,
+            {
+                "source": source,
+                "case": case.describe(),
+                "device": str(device),
+                "dtype": str(variant.upcast or case.dtype),
+                "variant": variant.describe(),
+                "world_size": 1,
+                "dropout": dropout_info(model),
+                **(meta or {}),
+            },
+            overwrite=overwrite,
+        )
+        return cls(case, variant, model, case.build_optimizer(model.parameters()), writer, device)
+
+    def train(self, step_fn: Any, steps: int) -> Record:
+        """Run ``step_fn(step)`` for each step from the case seed and publish the record; a
+        failed run still publishes the steps it recorded (nothing recorded is lost)."""
+        torch.manual_seed(self.case.seed)  # the training RNG (dropout) starts from the case seed
+        try:
+            for step in range(steps):
+                step_fn(step)
+        except BaseException:
+            try:
+                self.writer.finish(complete=False)
+            except Exception:
+                self.writer.abort()
+            raise
+        return self.writer.finish(complete=True)
 
     def step(self, step: int) -> None:
         rec = self.writer.step(step)
