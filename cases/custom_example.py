@@ -23,7 +23,7 @@ def train(ctx, run):
     run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))  # harness
     for step in range(run.steps):
         for batch in run.batches(step):  # this replica's shard (or your own loader + ids)
-            loss = CASE.loss_fn(model(batch.inputs), batch.targets)
+            loss = CASE.forward_loss(model, batch)
             (loss * run.loss_weight(batch)).backward()
             run.loss(step, loss, batch.ids)  # harness
         for p in model.parameters():

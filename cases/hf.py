@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -24,6 +25,7 @@ from .data import SyntheticTokens
 
 __all__ = [
     "HF_MODELS",
+    "LabelledTokens",
     "Conv1DColwise",
     "Conv1DRowwise",
     "gpt2_tp_plan",
@@ -69,6 +71,23 @@ def hf_lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, targets)
 
 
+class LabelledTokens(Dataset):
+    """A plain ``torch.utils.data.Dataset`` in the Hugging Face style: each item is a dict
+    ``{"id", "input_ids", "attention_mask", "labels"}`` (the model shifts the labels and
+    computes its own loss). The sample id is the item's ``"id"`` key."""
+
+    def __init__(self, num_samples: int = 64, seq_len: int = 8, vocab: int = 32):
+        self.tokens = SyntheticTokens(num_samples, seq_len, vocab)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = self.tokens[index]
+        row = torch.cat([sample.input, sample.target[-1:]])
+        return {"id": sample.id, "input_ids": row, "attention_mask": torch.ones_like(row), "labels": row}
+
+
 def hf_case(
     model: str = "llama",
     *,
@@ -78,16 +97,19 @@ def hf_case(
     global_batch_size: int = 8,
     micro_batches: int = 1,
     seq_len: int = 8,
+    model_loss: bool = False,
 ) -> Case:
-    """A tiny Hugging Face causal LM (``"llama"`` or ``"gpt2"``) on synthetic tokens."""
+    """A tiny Hugging Face causal LM (``"llama"`` or ``"gpt2"``) on synthetic tokens.
+    ``model_loss``: dict batches (:class:`LabelledTokens`) and the loss the model computes from
+    its ``labels`` (``loss_fn=None``), as Hugging Face training code does."""
     if model not in HF_MODELS:
         raise ValueError(f"unknown Hugging Face model {model!r}; allowed: {', '.join(HF_MODELS)}")
     suffix = f"-{str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else ""
     return Case(
-        name=f"hf-{model}-{optimizer}{suffix}",
+        name=f"hf-{model}-{optimizer}{suffix}" + ("-model-loss" if model_loss else ""),
         model_factory=functools.partial(HF_MODELS[model]),
-        dataset=SyntheticTokens(64, seq_len, 32),
-        loss_fn=hf_lm_loss,
+        dataset=LabelledTokens(64, seq_len, 32) if model_loss else SyntheticTokens(64, seq_len, 32),
+        loss_fn=None if model_loss else hf_lm_loss,
         optimizer_factory=OPTIMIZERS[optimizer],
         global_batch_size=global_batch_size,
         micro_batches=micro_batches,

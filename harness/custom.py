@@ -12,7 +12,7 @@ glue there is (see ``cases/custom_example.py`` for a complete file)::
         run.watch(model, opt, RankLayout.data_parallel(ctx.rank, ctx.world_size))  # harness
         for step in range(run.steps):
             for batch in run.batches(step):                       # or your loader + batch ids
-                loss = CASE.loss_fn(model(batch.inputs), batch.targets)
+                loss = CASE.forward_loss(model, batch)
                 (loss * run.loss_weight(batch)).backward()
                 run.loss(step, loss, batch.ids)                   # harness
             my_gradient_sync(model)

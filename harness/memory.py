@@ -209,7 +209,7 @@ def _reference_memory(case: Case, device: torch.device) -> RankMemory:
     with SavedTensorMeter() as meter:
         for indices in micro_batch_indices(case, 0):
             batch = collate(case.dataset, indices, device=device, dtype=case.dtype)
-            loss = case.loss_fn(model(batch.inputs), batch.targets)
+            loss = case.forward_loss(model, batch)
             (loss * case.loss_weight(len(batch))).backward()
             del loss
     grad_b = state_bytes(model, None)[1]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference.case import Batch, Case
+from reference.case import Batch, Case, map_tensors, tensors_in
 
 from .codes import Diagnosis
 from .gather import reference_name
@@ -143,7 +143,7 @@ class ProbedStrategy:
             return self.inner.forward_backward(case, setup, micro_batches)
         self._done = True
         models = [setup.model] if isinstance(setup.model, nn.Module) else list(setup.model)
-        self.probe.input = micro_batches[0].inputs.detach().cpu().clone()
+        self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), micro_batches[0].inputs)
         self.probe.attach(models)
         try:
             return self.inner.forward_backward(case, setup, micro_batches)
@@ -209,11 +209,17 @@ def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(case.seed)
-            model(x)
+            case.call_model(model, x)
     finally:
         for h in handles:
             h.remove()
     return outs
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Two inputs (tensors, or dicts / tuples of them) hold equal tensors."""
+    ta, tb = tensors_in(a), tensors_in(b)
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -291,7 +297,7 @@ def analyze_probe(data: ProbeData | None, case: Case) -> list[Diagnosis]:
         refs = [reference_for(r) for r in group]
         if any(ref is None for ref in refs):
             continue
-        inputs_agree = all(torch.equal(m["input"], members[0]["input"]) for m in members[1:])
+        inputs_agree = all(_same_values(m["input"], members[0]["input"]) for m in members[1:])
         if not inputs_agree:
             continue
         ref = refs[0]

@@ -245,25 +245,24 @@ class RankRecorder:
         rec.rank_sample_ids = {r["rank"]: [ids for _, ids in r["micro"]] for r in everyone}
         holders = sorted((r for r in everyone if r["holds_loss"]), key=lambda r: (r["dp_rank"], r["rank"]))
         num_micro = max((len(r["micro"]) for r in holders), default=0)
-        total_weight = 0.0
-        total = 0.0
+        everything: list[tuple[float, int]] = []
         for m in range(num_micro):
             ids: list[int] = []
-            weighted = weight = 0.0
+            pieces: list[tuple[float, int]] = []
             for r in holders:
                 if m >= len(r["micro"]):
                     continue
                 loss, mb_ids = r["micro"][m]
                 ids += mb_ids
                 if loss is not None:
-                    weighted += loss * len(mb_ids)
-                    weight += len(mb_ids)
+                    pieces.append((loss, len(mb_ids)))
             rec.micro_sample_ids.append(ids)
             rec.sample_ids += ids
-            rec.micro_losses.append(weighted / weight if weight else math.nan)
-            total += weighted
-            total_weight += weight
-        rec.loss = total / total_weight if total_weight else None
+            # The replicas' pieces of micro-batch m, combined as the case's loss_fn reduces.
+            rec.micro_losses.append(self.case.combine_losses(pieces) if pieces else math.nan)
+            everything += pieces
+        counted = sum(n for _, n in everything)
+        rec.loss = self.case.mean_loss(self.case.combine_losses(everything), counted) if counted else None
         rec.param_groups = _merge_param_groups([r["param_groups"] for r in everyone])
         if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
             rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}

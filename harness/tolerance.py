@@ -200,7 +200,7 @@ def forward_draws_random_numbers(case: Case) -> bool:
         torch.manual_seed(case.seed)
         before = torch.get_rng_state()
         with torch.no_grad():
-            model(batch.inputs)
+            case.call_model(model, batch.inputs)
         return not torch.equal(before, torch.get_rng_state())
 
 

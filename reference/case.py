@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.data import default_collate
 
 __all__ = [
     "Batch",
@@ -26,6 +29,9 @@ __all__ = [
     "SampleDataset",
     "check_dataset",
     "collate",
+    "map_tensors",
+    "tensors_in",
+    "to_batch_values",
 ]
 
 
@@ -36,17 +42,24 @@ class CaseError(ValueError):
 @dataclass(frozen=True)
 class Sample:
     """One dataset item. ``id`` is stable and unique within the dataset; it is what the
-    harness records to prove which samples each rank consumed."""
+    harness records to prove which samples each rank consumed.
+
+    ``input`` is a tensor, or a dict of tensors (``input_ids``, ``attention_mask``,
+    ``labels``, ...: the model is then called with keyword arguments), or a tuple of them
+    (positional arguments). ``target`` is what ``Case.loss_fn`` compares the output with; None
+    where the model computes its own loss (``labels`` inside ``input``)."""
 
     id: int
-    input: torch.Tensor
-    target: torch.Tensor
+    input: Any
+    target: Any = None
 
 
 @runtime_checkable
 class SampleDataset(Protocol):
-    """A map-style dataset whose items are :class:`Sample` (anything with ``id``, ``input``
-    and ``target`` attributes is accepted)."""
+    """A map-style dataset whose items are :class:`Sample`. Also accepted: anything with
+    ``id``, ``input`` and ``target`` attributes, and mappings with an ``"id"`` key - the
+    other keys are the input (``{"id": 7, "input_ids": ..., "labels": ...}``; ``"input"`` /
+    ``"target"`` keys are taken as such when present)."""
 
     def __len__(self) -> int: ...
 
@@ -58,8 +71,8 @@ class Batch:
     """A (micro-)batch: the stacked inputs/targets and the ids of the samples in it."""
 
     ids: tuple[int, ...]
-    inputs: torch.Tensor
-    targets: torch.Tensor
+    inputs: Any  # a tensor, or a dict / tuple of tensors, stacked along dim 0
+    targets: Any  # likewise; None where the model computes its own loss
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -67,18 +80,28 @@ class Batch:
 
 def _sample_at(dataset: SampleDataset, index: int) -> Sample:
     item = dataset[index]
-    missing = [a for a in ("id", "input", "target") if not hasattr(item, a)]
+    if isinstance(item, Mapping) and "id" in item:
+        rest = {k: v for k, v in item.items() if k != "id"}
+        if "input" in rest:
+            item = Sample(id=item["id"], input=rest["input"], target=rest.get("target"))
+        else:
+            target = rest.pop("target", None)
+            item = Sample(id=item["id"], input=rest, target=target)
+    missing = [a for a in ("id", "input") if not hasattr(item, a)]
     if missing:
         raise CaseError(
             f"dataset {type(dataset).__name__}[{index}] is a {type(item).__name__} without "
             f"{', '.join(missing)}: every sample must carry an id (reference.case.Sample(id, "
-            "input, target)) so the harness can trace which samples each rank consumed"
+            "input, target), or a dict with an 'id' key) so the harness can trace which samples "
+            "each rank consumed"
         )
     if isinstance(item.id, bool) or not isinstance(item.id, int):
         raise CaseError(
             f"dataset {type(dataset).__name__}[{index}].id is {item.id!r} "
             f"({type(item.id).__name__}); sample ids must be Python ints"
         )
+    if not hasattr(item, "target"):
+        item = Sample(id=item.id, input=item.input, target=None)
     return item  # type: ignore[return-value]
 
 
@@ -140,6 +163,22 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``fn`` applied to every tensor in ``value`` (a tensor, or dicts / tuples / lists of
+    them); anything else is kept as it is."""
+    return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value`` (a tensor, or dicts / tuples / lists of them), in order."""
+    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def to_batch_values(value: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Any:
+    """Floating tensors in ``value`` cast to ``dtype``, every tensor moved to ``device``."""
+    return map_tensors(lambda t: _to_dtype(t, dtype).to(device) if device is not None else _to_dtype(t, dtype), value)
+
+
 def collate(
     dataset: SampleDataset,
     indices: Sequence[int],
@@ -147,18 +186,23 @@ def collate(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> Batch:
-    """Stack the samples at ``indices`` into a :class:`Batch` on ``device``; floating tensors
-    are cast to ``dtype``."""
+    """Stack the samples at ``indices`` into a :class:`Batch` on ``device`` (dicts and tuples
+    of tensors key by key, as ``torch.utils.data.default_collate`` does); floating tensors are
+    cast to ``dtype``."""
     if not indices:
         raise CaseError("cannot collate an empty batch")
     samples = [_sample_at(dataset, int(i)) for i in indices]
-    inputs = torch.stack([s.input for s in samples])
-    targets = torch.stack([s.target for s in samples])
+    inputs = default_collate([s.input for s in samples])
+    targets = None if all(s.target is None for s in samples) else default_collate([s.target for s in samples])
     return Batch(
         ids=tuple(s.id for s in samples),
-        inputs=_to_dtype(inputs, dtype).to(device) if device is not None else _to_dtype(inputs, dtype),
-        targets=_to_dtype(targets, dtype).to(device) if device is not None else _to_dtype(targets, dtype),
+        inputs=to_batch_values(inputs, device=device, dtype=dtype),
+        targets=to_batch_values(targets, device=device, dtype=dtype),
     )
+
+
+LOSS_REDUCTIONS = ("mean", "sum")
+GRAD_REDUCTIONS = ("mean", "sum")
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,9 +212,12 @@ class Case:
     - ``model_factory()`` builds the model; it is called right after ``torch.manual_seed(seed)``
       and must be deterministic given that (checked: two builds must be identical).
     - ``dataset`` is map-style with :class:`Sample` items carrying unique ids.
-    - ``loss_fn(output, targets)`` returns the *mean* loss over the samples it is given (like
-      ``F.mse_loss``/``F.cross_entropy`` defaults); the harness weights micro-batches so the
-      step loss is the mean over the global batch.
+    - ``loss_fn(output, targets)`` returns the loss of the micro-batch it is given: with
+      ``loss_reduction="mean"`` (default) the *mean* over its samples (like ``F.mse_loss`` /
+      ``F.cross_entropy`` defaults), with ``"sum"`` their sum. ``loss_fn=None``: the model
+      computes its own loss (a Hugging Face model called with ``labels``: ``output.loss``, which
+      is a mean). :meth:`loss_weight` turns either into the gradient of the mean loss over the
+      global batch, for gradients averaged (DDP, FSDP) or summed (torchtitan) over replicas.
     - ``optimizer_factory(params)`` builds the optimizer, e.g. ``functools.partial(AdamW, lr=1e-2)``.
     - Each step consumes ``global_batch_size`` samples in ``micro_batches`` equal micro-batches
       (gradient accumulation); the order follows ``torch.utils.data.DistributedSampler``
@@ -181,14 +228,18 @@ class Case:
     name: str
     model_factory: Callable[[], nn.Module]
     dataset: SampleDataset
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
     optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     global_batch_size: int
     micro_batches: int = 1
     steps: int = 3
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    # Whether each global batch is drawn from a shuffled epoch order (DistributedSampler's
+    # shuffle, seeded with seed + epoch) or in dataset order.
     shuffle: bool = True
+    # What loss_fn returns per micro-batch: "mean" or "sum" over its samples.
+    loss_reduction: str = "mean"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -207,9 +258,13 @@ class Case:
             )
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise CaseError(f"{where}: dtype must be a floating torch.dtype, got {self.dtype!r}")
-        for field_name in ("model_factory", "loss_fn", "optimizer_factory"):
+        for field_name in ("model_factory", "optimizer_factory"):
             if not callable(getattr(self, field_name)):
                 raise CaseError(f"{where}: {field_name} must be callable")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise CaseError(f"{where}: loss_fn must be callable, or None when the model returns its own loss")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise CaseError(f"{where}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
         if not hasattr(self.dataset, "__len__") or not hasattr(self.dataset, "__getitem__"):
             raise CaseError(
                 f"{where}: dataset {type(self.dataset).__name__} is not map-style "
@@ -233,14 +288,67 @@ class Case:
         # Like DataLoader(drop_last=True): a partial global batch at the epoch's end is skipped.
         return len(self.dataset) // self.global_batch_size
 
-    def loss_weight(self, num_samples: int, replicas: int = 1) -> float:
-        """Factor for a micro-batch's mean loss before ``backward``.
+    def loss_weight(self, num_samples: int, replicas: int = 1, *, grad_reduction: str = "mean") -> float:
+        """Factor for a micro-batch's loss (as ``loss_fn`` returns it) before ``backward``, so
+        the synchronized gradient is that of the mean loss over the global batch.
 
-        With ``replicas`` data-parallel replicas whose gradients are *averaged* (DDP, FSDP),
-        weighting each micro-batch's mean loss by ``num_samples * replicas / global_batch_size``
-        makes the averaged gradient the gradient of the mean loss over the global batch.
-        """
-        return num_samples * replicas / self.global_batch_size
+        ``replicas`` data-parallel replicas whose gradients are *averaged* (``grad_reduction=
+        "mean"``: DDP, FSDP) or *summed* (``"sum"``: torchtitan, a hand-written SUM all-reduce):
+
+        | loss_reduction | grad "mean" | grad "sum" |
+        |---|---|---|
+        | "mean" | num_samples * replicas / B | num_samples / B |
+        | "sum" | replicas / B | 1 / B |
+
+        with B the global batch size."""
+        if grad_reduction not in GRAD_REDUCTIONS:
+            raise CaseError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+        per_loss = num_samples if self.loss_reduction == "mean" else 1
+        per_sync = replicas if grad_reduction == "mean" else 1
+        return per_loss * per_sync / self.global_batch_size
+
+    def combine_losses(self, losses: Sequence[tuple[float, int]]) -> float:
+        """The loss of the samples of several pieces (``(loss, samples)`` each, as ``loss_fn``
+        returns it per piece) as ``loss_fn`` would return it for them together: the
+        sample-weighted mean for "mean", the sum for "sum"."""
+        if self.loss_reduction == "sum":
+            return float(sum(loss for loss, _ in losses))
+        total = sum(n for _, n in losses)
+        return float(sum(loss * n for loss, n in losses) / total) if total else math.nan
+
+    def mean_loss(self, total: float, num_samples: int) -> float:
+        """A step's loss as recorded: the mean per sample over the global batch, from the
+        ``combine_losses`` of all its samples."""
+        return total if self.loss_reduction == "mean" else total / num_samples
+
+    # -- forward ------------------------------------------------------------------------------
+
+    @staticmethod
+    def call_model(model: Any, inputs: Any) -> Any:
+        """``model(**inputs)`` for a dict of inputs, ``model(*inputs)`` for a tuple or list,
+        else ``model(inputs)``."""
+        if isinstance(inputs, Mapping):
+            return model(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return model(*inputs)
+        return model(inputs)
+
+    def compute_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        """``loss_fn(output, targets)``, or the loss the model returned (``output.loss`` /
+        ``output["loss"]``) when the case has no ``loss_fn``."""
+        if self.loss_fn is not None:
+            return self.loss_fn(output, targets)
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            raise CaseError(
+                f"case {self.name!r} has no loss_fn and the model's output ({type(output).__name__}) "
+                "carries no loss: pass the labels in the inputs (e.g. a 'labels' key) or give loss_fn"
+            )
+        return loss
+
+    def forward_loss(self, model: Any, batch: Batch) -> torch.Tensor:
+        """The micro-batch's loss (unweighted, as ``loss_fn`` returns it) from ``model``."""
+        return self.compute_loss(self.call_model(model, batch.inputs), batch.targets)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able, human-readable summary (what a record's ``meta.json`` shows)."""
@@ -249,7 +357,8 @@ class Case:
             "model_factory": callable_name(self.model_factory),
             "dataset": f"{type(self.dataset).__module__}.{type(self.dataset).__qualname__}",
             "dataset_len": len(self.dataset),
-            "loss_fn": callable_name(self.loss_fn),
+            "loss_fn": callable_name(self.loss_fn) if self.loss_fn is not None else "the model's own output loss",
+            "loss_reduction": self.loss_reduction,
             "optimizer_factory": callable_name(self.optimizer_factory),
             "global_batch_size": self.global_batch_size,
             "micro_batches": self.micro_batches,

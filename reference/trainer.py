@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .case import Case, CaseError, cast_floating, check_dataset, collate
+from .case import Case, CaseError, cast_floating, check_dataset, collate, map_tensors
 from .record import (
     Record,
     RecordWriter,
@@ -185,23 +185,23 @@ class _Training:
     def forward_backward(self, step: int, rec: Any) -> None:
         """Forward and backward over the step's micro-batches; records losses and sample ids."""
         case = self.case
-        weighted = 0.0
+        pieces: list[tuple[float, int]] = []
         for indices in micro_batch_indices(self.schedule, step):
             if self.variant.reverse:
                 indices = indices[::-1]
             batch = collate(case.dataset, indices, device=self.device, dtype=case.dtype)
-            loss = case.loss_fn(self.model(self._cast(batch.inputs)), self._cast(batch.targets))
+            loss = case.compute_loss(case.call_model(self.model, self._cast(batch.inputs)), self._cast(batch.targets))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise CaseError(
-                    f"case {case.name!r}: loss_fn must return a scalar tensor (the mean over the "
+                    f"case {case.name!r}: the loss must be a scalar tensor (the {case.loss_reduction} over the "
                     f"micro-batch), got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
                 )
             (loss * case.loss_weight(len(batch))).backward()
             rec.micro_losses.append(loss.detach().item())
             rec.micro_sample_ids.append(list(batch.ids))
             rec.sample_ids.extend(batch.ids)
-            weighted += rec.micro_losses[-1] * len(batch)
-        rec.loss = weighted / case.global_batch_size
+            pieces.append((rec.micro_losses[-1], len(batch)))
+        rec.loss = case.mean_loss(case.combine_losses(pieces), case.global_batch_size)
         _check_finite(math.isfinite(rec.loss), step, "loss", "loss", case)
 
     def record_grads(self, step: int) -> None:
@@ -221,6 +221,6 @@ class _Training:
     def _add(self, step: int, kind: str, name: str, tensor: torch.Tensor) -> None:
         _check_finite(self.writer.add_tensor(step, kind, name, tensor).finite, step, kind, name, self.case)
 
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+    def _cast(self, value: Any) -> Any:
         # Inputs are rounded to the case dtype first, so an upcast run starts from the same values.
-        return t.to(self.dtype) if t.is_floating_point() else t
+        return map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, value)

@@ -59,7 +59,7 @@ def train(ctx, run):
     run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))
     for step in range(run.steps):
         for batch in run.batches(step):
-            loss = CASE.loss_fn(model(batch.inputs), batch.targets)
+            loss = CASE.forward_loss(model, batch)
             (loss * run.loss_weight(batch)).backward()
             run.loss(step, loss, batch.ids)
         for p in model.parameters():

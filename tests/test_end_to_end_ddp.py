@@ -61,7 +61,7 @@ class DoubleAveragedDDP(DDPStrategy):
         ddp = setup.model
         losses = []
         for batch in micro_batches:
-            loss = case.loss_fn(ddp(batch.inputs), batch.targets)
+            loss = case.forward_loss(ddp, batch)
             (loss * case.loss_weight(len(batch), setup.layout.dp_size) / setup.layout.dp_size).backward()
             losses.append(loss.detach())
         return losses

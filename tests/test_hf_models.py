@@ -94,3 +94,14 @@ def test_fsdp_units_are_the_repeated_decoder_layers() -> None:
         model = hf_case(model_name).build_model()
         found = repeated_blocks(model)
         assert found is not None and found[0] == path and {type(b).__name__ for b in found[1]} == {cls}
+
+
+@pytest.mark.distributed(nproc=2)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dict_batches_and_the_models_own_loss(dist_ctx, tmp_path, reference_cache, strategy) -> None:
+    """A plain torch Dataset of dicts with an "id" key, the model called with keyword
+    arguments and its own ``outputs.loss`` from ``labels`` (``loss_fn=None``)."""
+    case = hf_case("llama", model_loss=True, steps=2)
+    assert case.loss_fn is None and isinstance(case.dataset[0], dict)
+    verdict, codes, summary, _ = _diagnose(case, _strategy(strategy, "llama"), dist_ctx, tmp_path, reference_cache)
+    assert (verdict, codes) == ("pass", []), summary

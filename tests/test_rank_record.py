@@ -20,7 +20,7 @@ def hand_written_data_parallel(case, rank: int, world: int, path, *, average: bo
     for step in range(case.steps):
         for indices in replica_micro_batch_indices(case, step, rank, world):
             batch = collate(case.dataset, indices)
-            loss = case.loss_fn(model(batch.inputs), batch.targets)
+            loss = case.forward_loss(model, batch)
             rec.micro_batch(step, loss, batch.ids)
             (loss * case.loss_weight(len(batch), world)).backward()
         if world > 1:

@@ -169,7 +169,7 @@ def _noisy_mlp() -> torch.nn.Module:
 
 def test_dataset_without_ids_is_a_clear_error(tmp_path) -> None:
     case = mlp_case().replace(dataset=TupleDataset())
-    with pytest.raises(CaseError, match=r"TupleDataset\[\d+\] is a tuple without id, input, target"):
+    with pytest.raises(CaseError, match=r"TupleDataset\[\d+\] is a tuple without id, input"):
         train_reference(case, tmp_path / "r")
     assert not (tmp_path / "r").exists()
     dup = mlp_case(steps=4).replace(dataset=DuplicateIdDataset(64, 8, 4))  # 4 steps use all 64
@@ -201,5 +201,64 @@ def test_case_validation_names_the_field() -> None:
         mlp_case(dtype=torch.int64)
     with pytest.raises(CaseError, match="fewer than one global batch"):
         mlp_case(num_samples=8)
-    with pytest.raises(CaseError, match="loss_fn must be callable"):
-        Case("x", TwoLayerMLP, SyntheticRegression(), None, torch.optim.SGD, 8)  # type: ignore[arg-type]
+    with pytest.raises(CaseError, match="loss_fn must be callable, or None when the model returns its own loss"):
+        Case("x", TwoLayerMLP, SyntheticRegression(), "mse", torch.optim.SGD, 8)  # type: ignore[arg-type]
+
+
+def test_loss_weight_follows_the_loss_and_gradient_reductions() -> None:
+    case = mlp_case(global_batch_size=16)
+    assert case.loss_weight(4, 2) == 4 * 2 / 16
+    assert case.loss_weight(4, 2, grad_reduction="sum") == 4 / 16
+    summed = case.replace(loss_reduction="sum")
+    assert summed.loss_weight(4, 2) == 2 / 16 and summed.loss_weight(4, 2, grad_reduction="sum") == 1 / 16
+    assert summed.combine_losses([(3.0, 4), (5.0, 4)]) == 8.0 and case.combine_losses([(3.0, 4), (5.0, 12)]) == 4.5
+    with pytest.raises(CaseError, match="loss_reduction must be one of"):
+        case.replace(loss_reduction="avg")
+    with pytest.raises(CaseError, match="grad_reduction must be one of"):
+        case.loss_weight(4, 2, grad_reduction="max")
+
+
+def test_dict_samples_collate_key_by_key_and_cast_only_floating_values() -> None:
+    import torch
+
+    from reference.case import collate
+
+    class Dicts:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"id": 100 + i, "x": torch.full((3,), float(i)), "mask": torch.ones(3, dtype=torch.long)}
+
+    batch = collate(Dicts(), [0, 2], dtype=torch.float64)
+    assert batch.ids == (100, 102) and batch.targets is None
+    assert batch.inputs["x"].dtype == torch.float64 and batch.inputs["mask"].dtype == torch.long
+    assert batch.inputs["x"].shape == (2, 3)
+
+
+def test_build_model_casts_floating_tensors_only_and_the_determinism_check_sees_buffers() -> None:
+    import torch
+    from torch import nn
+
+    class WithBuffers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)), persistent=False)
+            self.register_buffer("noise", torch.rand(3), persistent=False)  # unseeded by design below
+
+    case = mlp_case().replace(model_factory=WithBuffers, dtype=torch.bfloat16)
+    model = case.build_model()
+    assert model.lin.weight.dtype == torch.bfloat16 and model.freqs.dtype == torch.complex64
+    assert model.freqs.imag.abs().sum() > 0  # the imaginary part survived
+    case.check_model_factory()  # seeded: deterministic, buffers included
+
+    class Unseeded(WithBuffers):
+        def __init__(self):
+            super().__init__()
+            import random
+
+            self.noise = torch.tensor([random.random()])
+
+    with pytest.raises(CaseError, match="not deterministic.*noise"):
+        mlp_case().replace(model_factory=Unseeded).check_model_factory()

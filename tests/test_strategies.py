@@ -167,3 +167,43 @@ def test_tensor_parallel_on_a_pipeline_stage_computes_what_the_stage_computes(di
 def test_two_dimensional_strategies_reject_a_tp_degree_below_two() -> None:
     with pytest.raises(ParallelConfigError, match="tp must be an int >= 2, got 1"):
         DDPTensorParallelStrategy(tp=1)
+
+
+def _sum_loss_case():
+    import functools
+
+    import torch.nn.functional as F
+
+    return mlp_case("sgd", steps=2).replace(name="mlp-sgd-sum", loss_fn=functools.partial(F.mse_loss, reduction="sum"), loss_reduction="sum")
+
+
+class SummedFSDPWeightedAsMean(FSDPStrategy):
+    """FSDP2 summing gradients over replicas (torchtitan's convention) but weighting the loss
+    as if they were averaged: every gradient is dp x too large."""
+
+    name = "fsdp-sum-weighted-as-mean"
+
+    def __init__(self) -> None:
+        super().__init__(grad_reduction="sum")
+
+    def setup(self, case, ctx):
+        setup = super().setup(case, ctx)
+        setup.state["grad_reduction"] = "mean"  # BUG: the reducer sums
+        return setup
+
+
+@pytest.mark.distributed(nproc=2)
+def test_the_loss_reduction_convention_is_a_field(dist_ctx, tmp_path, reference_cache) -> None:
+    """A loss that sums over samples with gradients summed over replicas (torchtitan's way)
+    matches once the case says so; the same reducer weighted as an average is named."""
+    from harness.rank_diagnosis import run_and_diagnose
+
+    case = _sum_loss_case()
+    result = run_strategy(case, FSDPStrategy(grad_reduction="sum"), dist_ctx, workdir=tmp_path / "ok", cache=reference_cache)
+    assert result.passed, result.summary()
+    run = run_and_diagnose(case, SummedFSDPWeightedAsMean(), dist_ctx, workdir=tmp_path / "bug", cache=reference_cache)
+    codes = [None]
+    if dist_ctx.rank == 0:
+        codes = [run.report.verdict.codes]
+    torch.distributed.broadcast_object_list(codes, src=0)
+    assert codes[0] == ["grad-not-averaged"]

@@ -62,7 +62,7 @@ class MlpTensorParallel(StrategyBase):
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]):
         losses = []
         for batch in micro_batches:
-            loss = case.loss_fn(setup.model(batch.inputs), batch.targets)
+            loss = case.forward_loss(setup.model, batch)
             (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
             losses.append(loss.detach() if setup.layout.holds_loss else None)
         return losses

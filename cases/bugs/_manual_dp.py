@@ -31,7 +31,7 @@ class ManualDataParallel(StrategyBase):
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
         losses: list[torch.Tensor | None] = []
         for batch in micro_batches:
-            loss = case.loss_fn(setup.model(batch.inputs), batch.targets)
+            loss = case.forward_loss(setup.model, batch)
             (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
             losses.append(loss.detach())
         self.sync_grads(setup.model, setup.layout.dp_size)

@@ -25,7 +25,7 @@ class UndividedAccumulation(DDPStrategy):
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else setup.model.no_sync():
-                loss = case.loss_fn(setup.model(batch.inputs), batch.targets)
+                loss = case.forward_loss(setup.model, batch)
                 # BUG: the weight is the one of a whole replica batch, not of one of its 4 micro-batches
                 (loss * case.loss_weight(len(batch) * len(micro_batches), setup.layout.dp_size)).backward()
             losses.append(loss.detach())

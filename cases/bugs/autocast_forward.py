@@ -24,8 +24,8 @@ class AutocastDDP(DDPStrategy):
         losses = []
         for batch in micro_batches:
             with torch.autocast(setup.device.type, dtype=torch.bfloat16):  # BUG: reference is fp32
-                out = setup.model(batch.inputs)
-            loss = case.loss_fn(out.float(), batch.targets)
+                out = case.call_model(setup.model, batch.inputs)
+            loss = case.compute_loss(out.float(), batch.targets)
             (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
             losses.append(loss.detach())
         return losses

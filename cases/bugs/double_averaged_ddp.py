@@ -23,7 +23,7 @@ class DoubleAveragedDDP(DDPStrategy):
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]):
         losses = []
         for batch in micro_batches:
-            loss = case.loss_fn(setup.model(batch.inputs), batch.targets)
+            loss = case.forward_loss(setup.model, batch)
             weight = case.loss_weight(len(batch), setup.layout.dp_size)
             (loss * weight / setup.layout.dp_size).backward()  # BUG: DDP averages already
             losses.append(loss.detach())

@@ -42,7 +42,7 @@ class SwappedGroupsDPxTP(StrategyBase):
     def forward_backward(self, case, setup, micro_batches):
         losses = []
         for batch in micro_batches:
-            loss = case.loss_fn(setup.model(batch.inputs), batch.targets)
+            loss = case.forward_loss(setup.model, batch)
             (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
             losses.append(loss.detach() if setup.layout.holds_loss else None)
         for p in setup.model.parameters():

@@ -42,7 +42,7 @@ class DDPStrategy(StrategyBase):
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
-                loss = case.loss_fn(ddp(batch.inputs), batch.targets)
+                loss = case.forward_loss(ddp, batch)
                 (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
             losses.append(loss.detach())
         return losses

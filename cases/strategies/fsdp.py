@@ -26,7 +26,7 @@ from harness.parallel_dims import ParallelDims
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
 from reference.case import Batch, Case
 
-__all__ = ["FSDPStrategy", "apply_fsdp", "blocks_of_class", "fsdp_units", "repeated_blocks", "run_accumulating"]
+__all__ = ["FSDPStrategy", "apply_fsdp", "blocks_of_class", "fsdp_units", "repeated_blocks", "run_accumulating", "sum_gradients"]
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
@@ -125,13 +125,24 @@ def run_accumulating(case: Case, setup: RankSetup, micro_batches: list[Batch]) -
     if not isinstance(model, FSDPModule):
         raise TypeError(f"run_accumulating needs a fully_shard-ed root module, got {type(model).__name__}")
     losses: list[torch.Tensor | None] = []
+    grad_reduction = setup.state.get("grad_reduction", "mean")
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         model.set_requires_gradient_sync(last)
-        loss = case.loss_fn(model(batch.inputs), batch.targets)
-        (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
+        loss = case.forward_loss(model, batch)
+        (loss * case.loss_weight(len(batch), setup.layout.dp_size, grad_reduction=grad_reduction)).backward()
         losses.append(loss.detach() if setup.layout.holds_loss else None)
     return losses
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Make every FSDP2 group of ``model`` *sum* its reduce-scattered gradients over the
+    data-parallel ranks instead of averaging them (torchtitan's convention, which scales the
+    loss itself): divide factor 1 and a plain SUM (gloo has no PREMUL_SUM)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 class FSDPStrategy(StrategyBase):
@@ -148,16 +159,24 @@ class FSDPStrategy(StrategyBase):
         *,
         units: Callable[[nn.Module], list[nn.Module]] | None = fsdp_units,
         reshard_after_forward: bool = True,
+        grad_reduction: str = "mean",
     ):
+        """``grad_reduction="sum"``: gradients are summed over the dp ranks (torchtitan's
+        convention) and the loss weight says so (:meth:`reference.case.Case.loss_weight`)."""
+        if grad_reduction not in ("mean", "sum"):
+            raise ValueError(f"FSDPStrategy: grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
         self.units = units
         self.reshard_after_forward = reshard_after_forward
+        self.grad_reduction = grad_reduction
 
     def setup(self, case: Case, ctx: DistContextLike) -> RankSetup:
         dims = ParallelDims(dp=ctx.world_size)
         mesh = dims.build_mesh(ctx.device.type)
         model = case.build_model(ctx.device)
         apply_fsdp(model, mesh, units=self.units, reshard_after_forward=self.reshard_after_forward)
-        return RankSetup.on_mesh(case, ctx, model, dims, mesh)
+        if self.grad_reduction == "sum":
+            sum_gradients(model)
+        return RankSetup.on_mesh(case, ctx, model, dims, mesh, grad_reduction=self.grad_reduction)
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
         return run_accumulating(case, setup, micro_batches)

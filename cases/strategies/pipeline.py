@@ -29,7 +29,7 @@ from torch import nn
 
 from harness.parallel_dims import ParallelConfigError, ParallelDims
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
-from reference.case import Batch, Case
+from reference.case import Batch, Case, CaseError
 
 from ..models import TinyTransformer
 
@@ -180,6 +180,16 @@ class PipelineStrategy(StrategyBase):
 
     def check_case(self, case: Case, dims: ParallelDims) -> None:
         """Raise :class:`ParallelConfigError` for a case this pipeline cannot run."""
+        if case.loss_fn is None or case.loss_reduction != "mean":
+            raise CaseError(
+                f"{self.name}: a pipeline computes the loss on its last stage with the case's loss_fn "
+                f"as a mean per micro-batch; case {case.name!r} has loss_fn={case.loss_fn!r}, "
+                f"loss_reduction={case.loss_reduction!r}"
+            )
+        sample = case.dataset[0]
+        if not isinstance(getattr(sample, "input", None), torch.Tensor):
+            raise CaseError(f"{self.name}: pipeline stages pass one tensor; case {case.name!r} has inputs of type "
+                            f"{type(getattr(sample, 'input', sample)).__name__}")
         where = f"{self.name} on {dims}, case {case.name!r}"
         m = case.micro_batches
         if self.schedule == "1f1b" and m < dims.pp:

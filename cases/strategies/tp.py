@@ -160,7 +160,7 @@ def replica_forward_backward(case: Case, setup: RankSetup, micro_batches: list[B
         raise TypeError(f"replica_forward_backward needs one nn.Module, got {type(model).__name__}")
     losses: list[torch.Tensor | None] = []
     for batch in micro_batches:
-        loss = case.loss_fn(model(batch.inputs), batch.targets)
+        loss = case.forward_loss(model, batch)
         (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
         losses.append(loss.detach() if setup.layout.holds_loss else None)
     return losses
