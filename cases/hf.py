@@ -123,15 +123,11 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     q/k/v and the MLP's gate/up column-wise (local heads and columns), o and down row-wise."""
     from .strategies.tp import colwise, rowwise
 
-    layer = "model.layers.*"
     return {
-        f"{layer}.self_attn.q_proj": colwise(),
-        f"{layer}.self_attn.k_proj": colwise(),
-        f"{layer}.self_attn.v_proj": colwise(),
-        f"{layer}.self_attn.o_proj": rowwise(),
-        f"{layer}.mlp.gate_proj": colwise(),
-        f"{layer}.mlp.up_proj": colwise(),
-        f"{layer}.mlp.down_proj": rowwise(),
+        "model.layers.*.self_attn.[qkv]_proj": colwise(),
+        "model.layers.*.self_attn.o_proj": rowwise(),
+        "model.layers.*.mlp.[gu][ap]*_proj": colwise(),  # gate_proj, up_proj
+        "model.layers.*.mlp.down_proj": rowwise(),
     }
 
 

@@ -106,12 +106,14 @@ class CustomRun:
             for idx in replica_micro_batch_indices(self.case, step, layout.dp_rank, layout.dp_size)
         ]
 
-    def loss_weight(self, batch: Batch | int) -> float:
-        """The factor on a micro-batch's mean loss that makes averaged gradients equal those of
-        the global-batch mean (see :meth:`reference.case.Case.loss_weight`)."""
+    def loss_weight(self, batch: Batch | int, *, grad_reduction: str = "mean") -> float:
+        """The factor on a micro-batch's loss (as ``CASE.loss_fn`` returns it: see
+        ``Case.loss_reduction``) that makes the gradients, once averaged (``grad_reduction=
+        "mean"``) or summed (``"sum"``) over the layout's replicas, equal those of the
+        global-batch mean (see :meth:`reference.case.Case.loss_weight`)."""
         layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
         n = batch if isinstance(batch, int) else len(batch)
-        return self.case.loss_weight(n, layout.dp_size)
+        return self.case.loss_weight(n, layout.dp_size, grad_reduction=grad_reduction)
 
     def loss(self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int]) -> None:
         """Local: this rank consumed ``sample_ids`` in its next micro-batch, with ``loss`` the

@@ -8,6 +8,8 @@ and ``python -m harness diagnose``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Shard
@@ -105,3 +107,21 @@ def test_dict_batches_and_the_models_own_loss(dist_ctx, tmp_path, reference_cach
     assert case.loss_fn is None and isinstance(case.dataset[0], dict)
     verdict, codes, summary, _ = _diagnose(case, _strategy(strategy, "llama"), dist_ctx, tmp_path, reference_cache)
     assert (verdict, codes) == ("pass", []), summary
+
+
+def test_a_custom_loop_over_an_hf_model_passes(rank_runner, reference_cache, tmp_path) -> None:
+    from harness.target_run import diagnose_target
+
+    example = Path(__file__).resolve().parents[1] / "cases" / "hf_custom_example.py"
+    report = diagnose_target(str(example), runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    assert report.verdict.verdict == "pass", report.verdict.to_dict()
+
+
+def test_a_plan_with_patterns_expands_and_a_typo_is_named() -> None:
+    from cases.strategies.tp import expand_plan
+
+    model = hf_case("llama").build_model()
+    plan = expand_plan(model, llama_tp_plan())
+    assert len(plan) == 14 and "model.layers.1.mlp.gate_proj" in plan and "model.layers.0.self_attn.v_proj" in plan
+    with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.dwn_proj' matches no module .*model.layers.0.mlp.down_proj"):
+        expand_plan(model, {"model.layers.*.mlp.dwn_proj": RowwiseParallel()})

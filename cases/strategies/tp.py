@@ -22,7 +22,9 @@ holds only some blocks) or before data parallelism (:mod:`cases.strategies.hybri
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar, Union
 
@@ -114,11 +116,10 @@ def expand_plan(model: nn.Module, plan: Plan | None) -> dict[str, ParallelStyle]
             raise TypeError(f"plan entry {key!r}: {style!r} is not a torch.distributed.tensor.parallel.ParallelStyle")
         matched = [n for n in names if fnmatch.fnmatchcase(n, key)] if any(c in key for c in "*?[") else [key] if key in names else []
         if not matched:
-            last = key.rsplit(".", 1)[-1]
-            close = [n for n in names if last.strip("*?") and last.strip("*?") in n][:5] or names[:5]
+            close = difflib.get_close_matches(re.sub(r"\*|\?|\[[^]]*\]", "0", key), names, n=3, cutoff=0.5) or names[:5]
             raise ValueError(
                 f"tensor-parallel plan entry {key!r} matches no module of {type(model).__name__}; "
-                f"module names look like {close}"
+                f"closest module names: {close}"
             )
         for name in matched:
             expanded[name] = style
