@@ -49,13 +49,6 @@ def _targets():
     return out
 
 
-def _train(ctx, case, strategy, workdir):
-    from harness.run import train_strategy
-
-    record = train_strategy(case, strategy, ctx, Path(workdir) / "record", trace=False)
-    return str(record.path) if record is not None else None
-
-
 def _time(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -67,15 +60,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from harness.run import compare_to_reference
+    from harness.run import compare_to_reference, train_strategy
     from reference import Record
 
     runner = RankRunner()
     rows = []
     for label, case, strategy in _targets():
         work = tempfile.mkdtemp(prefix="bench-compare-")
-        result = runner.run(_train, nproc=2, kwargs={"case": case, "strategy": strategy, "workdir": work}, timeout=300)
-        record = Record.load(result.values[0])
+        # train_strategy on the ranks, keywords only (ctx is passed by the runner); rank 0 writes.
+        runner.run(train_strategy, nproc=2, timeout=300,
+                   kwargs={"case": case, "strategy": strategy, "record_path": str(Path(work) / "record"), "trace": False})
+        record = Record.load(Path(work) / "record")
         cache = Path(work) / "cache"
         timings = {}
         verdicts = {}
