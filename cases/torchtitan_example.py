@@ -12,18 +12,24 @@ parallelizing, so every rank starts from the reference's weights.
 
 What running torchtitan on CPU (gloo) takes, and how this module does it:
 
+- **triton.** torchtitan 0.3 imports ``triton`` at module level (for CUDA expert-parallel
+  kernels reached from ``torchtitan.models.common``) without declaring it; a CPU build of torch
+  has none, so ``import torchtitan.models.llama3`` fails. :func:`_stub_triton_kernels_if_no_triton`
+  registers a stub for that one torchtitan module (its kernels raise if called; a dense model
+  never calls them). ``pip install triton`` instead makes the stub unnecessary.
 - **Device type.** ``torchtitan.tools.utils.device_type`` is fixed at import as
   ``torch._utils._get_available_device_type() or "cuda"``: "cuda" on a machine without an
-  accelerator. ``ParallelDims.build_mesh`` then calls ``init_device_mesh("cuda", ...)``.
-  ``torchtitan.distributed.parallel_dims`` and ``torchtitan.distributed.utils`` copy the name at
-  import (``from torchtitan.tools.utils import device_type``), so :func:`use_device_type` sets
-  the attribute in all three modules (and ``device_module``) to the rank's device type before
-  the mesh is built; torchtitan's files are not edited.
+  accelerator. ``ParallelDims.build_mesh`` then builds a "cuda" ``DeviceMesh`` and FSDP on it
+  fails ("Torch not compiled with CUDA enabled"). ``torchtitan.distributed.parallel_dims`` and
+  ``torchtitan.distributed.utils`` copy the name at import (``from torchtitan.tools.utils import
+  device_type``), so :func:`use_device_type` sets it (and ``device_module``) in all three modules
+  to the rank's device type before the mesh is built; torchtitan's files are not edited.
 - **Attention backend.** torchtitan 0.3's Llama3 builders accept only "flex", "flex_flash" and
-  "varlen" (none has a CPU backward: flex needs a compiled GPU kernel, varlen a CUDA one, and
-  both need per-document attention masks); "sdpa" is refused for language models. The layers
+  "varlen", and refuse "sdpa" for language models. Flex runs a ``torch.compile``-d kernel over a
+  per-document ``BlockMask``, varlen a CUDA kernel; neither is for a CPU backward. The layers
   are built with "flex" and their inner attention swapped for torchtitan's own
-  ``ScaledDotProductAttention`` (causal, no masks), which runs forward and backward on CPU.
+  ``ScaledDotProductAttention`` (causal, no masks; the forward is called with token ids only),
+  which runs forward and backward on CPU.
 - **SPMD backend.** ``ParallelismConfig.spmd_backend`` defaults to "spmd_types", which needs
   the sharding configs ``Llama3Model.Config.update_from_config`` installs from a full trainer
   config and spmd_types annotations. FSDP alone needs none of that: "partial_dtensor" (DTensor
@@ -31,7 +37,8 @@ What running torchtitan on CPU (gloo) takes, and how this module does it:
   ``fsdp`` mesh, as torchtitan's classic path does.
 - **Mixed precision.** ``parallelize_llama`` always installs a ``MixedPrecisionPolicy`` from
   ``training.mixed_precision_param`` (default "bfloat16") and ``mixed_precision_reduce``
-  (default "float32"). Both are set to the case dtype, so nothing is cast; only dtypes in
+  (default "float32"). Both are set to the case dtype, so nothing is cast (a bf16 case also
+  reduces in bf16, where torchtitan's default would reduce in fp32); only dtypes in
   ``torchtitan.config.TORCH_DTYPE_MAP`` (float32, bfloat16, float16) can be named.
 - **Gradient reduction.** ``apply_fsdp_to_decoder`` calls ``set_gradient_divide_factor(1.0)``
   on every FSDP module: gradients are *summed* over dp (torchtitan's trainer divides the loss by
@@ -58,13 +65,11 @@ from torch.distributed.fsdp import FSDPModule
 def _stub_triton_kernels_if_no_triton() -> None:
     """Where triton is not installed, stand in for torchtitan's one module that needs it at import.
 
-    torchtitan 0.3 imports ``triton`` at module level in
-    ``torchtitan.distributed.minimal_async_ep.kernels`` (reached from ``torchtitan.models.common``)
-    to define the CUDA kernels of its symmetric-memory expert parallelism; a CPU build of torch
-    has no triton, so importing any torchtitan model fails. That module is registered here as a
-    stub whose every kernel raises if called (none is on a dense model's path). triton itself is
-    not faked: torch probes for it and must keep seeing that it is absent. With triton installed
-    (``pip install triton``) this does nothing."""
+    ``torchtitan.distributed.minimal_async_ep.kernels`` (imported by ``torchtitan.models.common``
+    through the MoE token dispatcher) does ``import triton`` to define the CUDA kernels of its
+    symmetric-memory expert parallelism. That module is registered here as a stub whose every
+    kernel raises if called (none is on a dense model's path). triton itself is not faked:
+    torch probes for it (``has_triton_package``) and must keep seeing that it is absent."""
     name = "torchtitan.distributed.minimal_async_ep.kernels"
     if name in sys.modules or importlib.util.find_spec("triton") is not None:
         return
@@ -86,26 +91,29 @@ def _stub_triton_kernels_if_no_triton() -> None:
 
 _stub_triton_kernels_if_no_triton()
 
-from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed import ParallelDims as TitanParallelDims
-from torchtitan.distributed.utils import set_spmd_backend
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, ScaledDotProductAttention
-from torchtitan.models.common import compute_ffn_hidden_dim
-from torchtitan.models.llama3 import Llama3Model, parallelize_llama
+# Imported after the stub above (hence noqa: E402).
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.distributed import ParallelDims as TitanParallelDims  # noqa: E402
+from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common import compute_ffn_hidden_dim  # noqa: E402
+from torchtitan.models.llama3 import Llama3Model, parallelize_llama  # noqa: E402
 
 # torchtitan 0.3's Llama3 flavors are built by these module-private helpers (there is no
 # public "custom size" builder); using them keeps the tiny model's layout and init torchtitan's.
-from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init  # noqa: E402
 
-from harness.parallel_dims import ParallelDims
-from harness.strategy import DistContextLike, RankSetup, StrategyBase
-from reference.case import Batch, Case
+# Absolute imports: `python -m harness diagnose` loads this file as a top-level module.
+from cases.catalog import OPTIMIZERS, lm_loss  # noqa: E402
+from cases.data import SyntheticTokens  # noqa: E402
+from cases.strategies.fsdp import run_accumulating  # noqa: E402
+from harness.parallel_dims import ParallelDims  # noqa: E402
+from harness.strategy import DistContextLike, RankSetup, StrategyBase  # noqa: E402
+from reference.case import Batch, Case  # noqa: E402
 
-from .catalog import OPTIMIZERS, lm_loss
-from .data import SyntheticTokens
-from .strategies.fsdp import run_accumulating
-
-__all__ = ["CASE", "NPROC", "STRATEGY", "TorchtitanFSDP", "tiny_llama3", "tiny_llama3_config", "torchtitan_case", "use_device_type"]
+__all__ = [
+    "CASE", "NPROC", "STRATEGY", "TorchtitanFSDP", "tiny_llama3", "tiny_llama3_config", "torchtitan_case", "use_device_type",
+]
 
 # The backend parallelize_llama takes its classic FSDP path under (see the module docstring).
 SPMD_BACKEND = "partial_dtensor"
@@ -126,7 +134,7 @@ def tiny_llama3_config(
             n_layers=layers,
             dim=dim,
             n_heads=heads,
-            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),  # SwiGLU 8/3 * dim, rounded: 96
             rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=max_seq_len, theta=500000, scaling="llama"),
             fuse_qkv=True,
             # The builders refuse "sdpa"; build with "flex" and swap below (nothing is built yet).

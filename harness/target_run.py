@@ -10,6 +10,7 @@ A hang comes back as the launcher's timeout dumps and is diagnosed from the coll
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -192,8 +193,13 @@ def diagnose_target(
         report = _hang_report(resolved, world, steps, exc)
     except RanksFailed as exc:
         case = resolved.case if steps is None else resolved.case.replace(steps=steps)
-        report = build_report(target=resolved, case=case, nproc=world, diagnoses=_failure_diagnoses(exc),
-                              error=exc.report, elapsed_s=time.monotonic() - started)
+        own = _own_exception(exc.outcome)
+        # A rank's own exception (the user's code, or a check of the case) is the cause: the
+        # others waiting in a collective are its consequence, not a missing collective.
+        diagnoses = [] if own else _failure_diagnoses(exc)
+        error = f"{own}\n\n{exc.report}" if own else exc.report
+        report = build_report(target=resolved, case=case, nproc=world, diagnoses=diagnoses,
+                              error=error, elapsed_s=time.monotonic() - started)
     finally:
         stop.set()
         tail.join(timeout=1)
@@ -204,6 +210,35 @@ def diagnose_target(
 
 
 _BACKEND_MISMATCH = ("collective mismatch", "doesn't match expected size", "does not match expected size")
+# Exceptions raised by the process group itself: consequences of another rank's failure or a
+# collective bug, never the user's own error.
+_BACKEND_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_BACKEND_TEXT = (*_BACKEND_MISMATCH, "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                 "NCCL error", "Gloo", "gloo")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_PYTEST_FRAME = re.compile(r"^\s*(\S+\.py):(\d+): \w+", re.MULTILINE)
+
+
+def _own_exception(outcome: Any) -> str:
+    """When the first failure is a rank raising an exception of its own (not a death, not the
+    backend aborting a collective), one line naming it: rank, type, message and the innermost
+    frame outside the harness (file:line in function). Empty otherwise."""
+    from .rank_report import _root_cause
+
+    root = _root_cause(outcome)
+    if root is None or root[1] != "failed":
+        return ""
+    result = outcome.results[root[0]]
+    text = f"{result.exc_type} {result.message}"
+    if result.exc_type in _BACKEND_ERRORS or any(m in text for m in _BACKEND_TEXT):
+        return ""
+    # Python tracebacks ('File "x.py", line 3, in f') and pytest's ("x.py:3: RuntimeError").
+    frames = _FRAME.findall(result.longrepr or "") + [(f, ln, "") for f, ln in _PYTEST_FRAME.findall(result.longrepr or "")]
+    harness_dir = os.path.dirname(os.path.abspath(__file__))
+    own = [f for f in frames if not os.path.abspath(f[0]).startswith(harness_dir + os.sep)]
+    where = f" at {own[-1][0]}:{own[-1][1]}" + (f" in {own[-1][2]}" if own[-1][2] else "") if own else ""
+    message = (result.message or "").strip().splitlines()
+    return f"rank {root[0]} raised {result.exc_type or 'an exception'}{where}: {message[0] if message else ''}".rstrip(": ")
 
 
 def _failure_diagnoses(exc: RanksFailed) -> list[Diagnosis]:

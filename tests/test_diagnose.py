@@ -167,3 +167,79 @@ def test_demo_targets_are_the_whole_catalogue_plus_correct_strategies() -> None:
     listed = dict(demo_targets())
     assert {n: c for n, c in listed.items() if c} == BUGS
     assert [n for n, c in listed.items() if c is None] == DEMO_CORRECT
+
+
+USER_ERRORS = {
+    "raises_on_rank_1": ('''
+import torch.distributed as dist
+from cases.catalog import mlp_case
+from harness.rank_record import RankLayout
+
+CASE = mlp_case("sgd", steps=2)
+
+def train(ctx, run):
+    model = CASE.build_model(ctx.device)
+    optimizer = CASE.build_optimizer(model.parameters())
+    run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))
+    for step in range(run.steps):
+        for batch in run.batches(step):
+            loss = CASE.forward_loss(model, batch)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss, batch.ids)
+            if ctx.rank == 1 and step == 1:
+                raise ValueError("my metric has the wrong shape")
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        run.before_step(step)
+        optimizer.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+''', r"rank 1 raised ValueError at .*raises_on_rank_1\.py:18: my metric has the wrong shape"),
+    "nondeterministic_factory": ('''
+import random
+import torch
+from cases.catalog import mlp_case
+from cases.models import TwoLayerMLP
+from cases.strategies import DDPStrategy
+
+def noisy():
+    model = TwoLayerMLP(8, 16, 4)
+    with torch.no_grad():
+        model.fc1.bias.add_(random.random())
+    return model
+
+CASE = mlp_case("sgd", steps=1).replace(model_factory=noisy)
+STRATEGY = DDPStrategy()
+''', r"rank 0 raised CaseError .*model_factory is not deterministic.*'fc1.bias'"),
+    "nan_in_the_data": ('''
+import torch
+from cases.catalog import mlp_case
+from cases.data import SyntheticRegression
+from cases.strategies import DDPStrategy
+
+data = SyntheticRegression(64, 8, 4)
+data.targets[:, 0] = float("nan")
+CASE = mlp_case("sgd", steps=1).replace(dataset=data)
+STRATEGY = DDPStrategy()
+''', r"rank 0 raised NonFiniteReferenceError .*NaN/inf in loss 'loss' at step 0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(USER_ERRORS))
+def test_a_users_own_error_is_the_verdict_error_never_a_code(rank_runner, reference_cache, tmp_path, name) -> None:
+    """A rank that raises (the user's code, a check of the case) is the cause: verdict error,
+    led by that exception with its rank and file:line - not collective-missing for the ranks
+    left waiting."""
+    import re
+
+    from harness.report import format_terminal
+
+    source, lead = USER_ERRORS[name]
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    report = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "work", timeout=60)
+    assert (report.verdict.verdict, report.codes) == ("error", []), report.verdict.to_dict()
+    assert re.match(lead, report.verdict.error), report.verdict.error.splitlines()[0]
+    terminal = format_terminal(report)
+    assert terminal.splitlines()[0].startswith("ERROR") and re.search(lead, terminal.splitlines()[1])

@@ -48,6 +48,8 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         div = report.comparison["first_divergence"]
         shown = ", ".join(f"{k} {n}" for k, n in div["entries"][:4])
         lines.append(f"  first divergence at step {div['step']}: {shown}")
+    if v.verdict == "error" and v.error:
+        lines.append(f"  error: {v.error.splitlines()[0]}")
     if v.error and (v.verdict in ("error", "hang") or verbose):
         text = v.error if verbose else "\n".join(v.error.splitlines()[:40])
         lines += ["  launcher report:"] + ["    " + line for line in text.splitlines()]
