@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -153,13 +154,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     if args.command == "list":
-        return _list()
+        try:
+            return _list()
+        except BrokenPipeError:  # `python -m harness list | head`: the reader left, nothing is wrong
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_PASS
     if args.nproc is not None and args.nproc < 1:
         return _usage(parser, f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc is not None:
+        from .launcher import check_world_size
+
+        try:
+            check_world_size(args.nproc)
+        except ValueError as exc:
+            return _usage(parser, f"--nproc: {exc}")
+    if args.timeout is not None and not (args.timeout > 0 and math.isfinite(args.timeout)):
+        return _usage(parser, f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     if args.steps is not None and args.steps < 1:
         return _usage(parser, f"--steps must be >= 1, got {args.steps}")
     if args.target is None and (args.json or args.html or args.trace):
         return _usage(parser, "--json/--html/--trace need a TARGET; the demo writes every report under --out")
+    for flag, path in (("--json", args.json), ("--html", args.html), ("--trace", args.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            return _usage(parser, f"{flag} {path}: the folder {folder} does not exist or is not writable")
     sys.path.insert(0, os.getcwd())  # bundled `cases` and the user's own modules resolve from here
     from .remote import RankRunner
     from .target import TargetError, load_target

@@ -42,6 +42,43 @@ class PoolStartError(RuntimeError):
     """The ranks could not be started or could not join the process group in time."""
 
 
+MAX_RANKS_ENV = "HARNESS_MAX_RANKS"
+RANKS_PER_CORE = 8  # gloo ranks of small tests share a core well; more thrash
+RANK_MEMORY = 512 * 2**20  # resident memory of one rank with torch imported, with headroom
+
+
+def rank_bound() -> tuple[int, str]:
+    """The most ranks this machine may start at once, and why: ``$HARNESS_MAX_RANKS`` when
+    set, else the smaller of 8 per CPU core and one per 0.5 GiB of memory."""
+    override = os.environ.get(MAX_RANKS_ENV)
+    if override is not None:
+        try:
+            value = int(override)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{MAX_RANKS_ENV}={override!r} is not allowed; give a whole number of ranks >= 1")
+        return value, f"{MAX_RANKS_ENV}={value}"
+    cores = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = RANK_MEMORY * RANKS_PER_CORE * cores
+    bound = max(1, min(RANKS_PER_CORE * cores, memory // RANK_MEMORY))
+    return bound, (f"{cores} CPU cores x {RANKS_PER_CORE} = {RANKS_PER_CORE * cores}, "
+                   f"{memory / 2**30:.0f} GiB memory / 0.5 GiB per rank = {memory // RANK_MEMORY}")
+
+
+def check_world_size(nproc: int) -> None:
+    """Raise ValueError for a world size beyond :func:`rank_bound` (before any rank forks)."""
+    bound, why = rank_bound()
+    if nproc > bound:
+        raise ValueError(
+            f"{nproc} ranks exceed this machine's bound of {bound} ({why}); set {MAX_RANKS_ENV}=N "
+            "to allow more, or use a smaller world size"
+        )
+
+
 @dataclass(frozen=True)
 class PoolKey:
     nproc: int
@@ -535,6 +572,7 @@ class PoolManager:
         return self.zygote
 
     def get(self, key: PoolKey) -> RankPool:
+        check_world_size(key.nproc)
         pool = self.pools.get(key)
         if pool is not None and pool.alive:
             self.pools.move_to_end(key)

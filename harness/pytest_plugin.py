@@ -14,6 +14,7 @@ plugin installed pay nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import sys
@@ -37,6 +38,12 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a world size >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a valid world size; it must be >= 1")
+    from .launcher import check_world_size
+
+    try:
+        check_world_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -45,8 +52,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} s is not allowed; give a number of seconds > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} s is not allowed; give a finite number of seconds > 0")
     return value
 
 
@@ -169,6 +176,12 @@ def _spec_for(item: pytest.Item) -> DistSpec | None:
         nproc = config.getoption("nproc")
     elif isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"{where}: nproc={nproc!r} is not allowed; it must be an integer >= 1")
+    from .launcher import check_world_size
+
+    try:
+        check_world_size(nproc)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     timeout = marker.kwargs.get("timeout")
     if timeout is None:
         timeout = config.getoption("dist_timeout")

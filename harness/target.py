@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -61,11 +62,36 @@ class Target:
     description: str = ""
 
 
+def _package_module_name(path: Path) -> tuple[str, str] | None:
+    """(sys.path root, dotted module name) of a file inside a package (its folder has an
+    ``__init__.py``), or None for a plain script."""
+    path = path.resolve()
+    parts = [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if len(parts) == 1 or not all(p.isidentifier() for p in parts):
+        return None
+    return str(folder), ".".join(parts)
+
+
 def _load_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise TargetError(f"target file {str(path)!r} does not exist")
     if path.suffix != ".py":
         raise TargetError(f"target file {str(path)!r} is not a .py file")
+    package = _package_module_name(path)
+    if package is not None:
+        # A file inside a package (cases/bugs/summed_grads.py) is imported as part of it, so
+        # its relative imports resolve.
+        root, dotted = package
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        try:
+            return importlib.import_module(dotted)
+        except Exception as exc:
+            raise TargetError(f"importing target file {str(path)!r} as {dotted} failed: {type(exc).__name__}: {exc}") from exc
     name = "harness_target_" + path.stem.replace("-", "_")
     resolved = str(path.resolve())
     existing = sys.modules.get(name)
@@ -139,8 +165,12 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     if strategy is not None and not all(hasattr(strategy, m) for m in ("name", "setup", "local_batches", "forward_backward", "optimizer_step")):
         raise TargetError(f"{where}: the strategy {strategy!r} is not a harness.strategy.Strategy (subclass harness.strategy.StrategyBase)")
     nproc = getattr(module, "NPROC", None)
-    if nproc is not None and (not isinstance(nproc, int) or nproc < 1):
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
         raise TargetError(f"{where}: NPROC must be a positive int, got {nproc!r}")
+    timeout = getattr(module, "TIMEOUT", None)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not (timeout > 0 and math.isfinite(timeout))):
+        raise TargetError(f"{where}: TIMEOUT must be a finite number of seconds > 0, got {timeout!r}")
     doc = (module.__doc__ or "").strip().splitlines()
     return Target(
         name=label or Path(getattr(module, "__file__", module.__name__)).stem + (f":{name}" if name else ""),
@@ -148,7 +178,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
         strategy=strategy,
         train=train,
         nproc=nproc,
-        timeout=getattr(module, "TIMEOUT", None),
+        timeout=float(timeout) if timeout is not None else None,
         expected_code=getattr(module, "EXPECTED_CODE", None),
         source=getattr(module, "__file__", "") or "",
         description=doc[0] if doc else "",

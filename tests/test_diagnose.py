@@ -243,3 +243,40 @@ def test_a_users_own_error_is_the_verdict_error_never_a_code(rank_runner, refere
     assert re.match(lead, report.verdict.error), report.verdict.error.splitlines()[0]
     terminal = format_terminal(report)
     assert terminal.splitlines()[0].startswith("ERROR") and re.search(lead, terminal.splitlines()[1])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ddp", "--nproc", "10000"], "--nproc: 10000 ranks exceed this machine's bound of"),
+        (["ddp", "--timeout", "-1"], "--timeout must be a finite number of seconds > 0, got -1.0"),
+        (["ddp", "--timeout", "0"], "--timeout must be a finite number of seconds > 0, got 0.0"),
+        (["ddp", "--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
+        (["ddp", "--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: the folder /no/such/folder does not exist"),
+    ],
+)
+def test_bad_cli_values_are_usage_errors_before_anything_runs(args, message) -> None:
+    from harness.cli import main
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["diagnose", *args]) == 2
+    assert message in err.getvalue()
+
+
+def test_target_files_are_validated_and_package_files_import_as_part_of_their_package(tmp_path) -> None:
+    bad = tmp_path / "bad_timeout.py"
+    bad.write_text("from cases.catalog import mlp_case\nfrom cases.strategies import DDPStrategy\n"
+                   "CASE = mlp_case()\nSTRATEGY = DDPStrategy()\nTIMEOUT = -5\n")
+    with pytest.raises(TargetError, match="TIMEOUT must be a finite number of seconds > 0, got -5"):
+        load_target(str(bad))
+    relative = load_target(str(REPO / "cases" / "bugs" / "summed_grads.py"))  # uses `from ._manual_dp import`
+    assert relative.expected_code == "grad-not-averaged"
+
+
+def test_list_into_a_closed_pipe_ends_quietly() -> None:
+    proc = subprocess.run(f"{sys.executable} -m harness list | head -1", shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() and "Traceback" not in proc.stderr, proc.stderr

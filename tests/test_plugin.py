@@ -241,6 +241,11 @@ def test_bad_timeout(dist_ctx):
     pass
 
 
+@pytest.mark.distributed(nproc=10000)
+def test_too_many_ranks(dist_ctx):
+    pass
+
+
 @pytest.mark.distributed(nprocs=2)
 def test_misspelt_argument(dist_ctx):
     pass
@@ -270,9 +275,11 @@ def test_bad_markers_and_bodies_get_clear_errors(pytester, monkeypatch):
     tag = _child_env(monkeypatch)
     pytester.makepyfile(test_bad=BAD_INPUT)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
-    result.assert_outcomes(errors=4, failed=2)
+    result.assert_outcomes(errors=5, failed=2)
     out = result.stdout.str()
     assert "nproc=0 is not allowed; it must be an integer >= 1" in out
+    # Refused before any rank forks, with the bound's arithmetic and the override.
+    assert "10000 ranks exceed this machine's bound of" in out and "set HARNESS_MAX_RANKS=N to allow more" in out
     assert "timeout=-1 is not allowed; give seconds > 0" in out
     assert "unknown argument(s) ['nprocs']; allowed: ['nproc', 'timeout']" in out
     assert "asks for dist_ctx but is not marked @pytest.mark.distributed" in out
@@ -288,6 +295,8 @@ def test_bad_markers_and_bodies_get_clear_errors(pytester, monkeypatch):
         (["--nproc", "0"], "argument --nproc: 0 is not a valid world size; it must be >= 1"),
         (["--nproc", "abc"], "argument --nproc: 'abc' is not an integer; give a world size >= 1"),
         (["--dist-timeout", "-5"], "argument --dist-timeout: -5 s is not allowed"),
+        (["--dist-timeout", "nan"], "argument --dist-timeout: nan s is not allowed"),
+        (["--nproc", "10000"], "argument --nproc: 10000 ranks exceed this machine's bound of"),
         (["--dist-backend", "nccl", "--dist-device", "cpu"], "--dist-backend nccl needs --dist-device cuda"),
     ],
 )
