@@ -56,6 +56,26 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_of(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    # After the ")" of the command name: state is field 3, utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by ``pid`` and its live descendants (all threads), from /proc: how
+    a rank shows progress whatever it is doing - computing, or not (blocked in a collective,
+    sleeping, waiting on a lock)."""
+    return _cpu_of(pid) + sum(_cpu_of(child) for child in descendants(pid))
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``, its process group (workers lead their own session) and all descendants."""
     victims = [pid, *descendants(pid)]

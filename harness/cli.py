@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
     d.add_argument("--out", metavar="DIR", default="harness-reports", help="demo only: directory for every target's reports (default harness-reports)")
     d.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung (default: the target's TIMEOUT, else 300)")
+    d.add_argument("--stall-window", type=float, default=10.0, metavar="S",
+                   help="seconds without progress on every running rank before a run counts as hung (default 10; 0: only --timeout)")
     d.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="process-group backend (default auto)")
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="rank device (default auto)")
     d.add_argument("--tolerance", choices=("auto", "calibrated", "default"), default="auto",
@@ -187,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             load_target(args.target)
         except TargetError as exc:
             return _usage(parser, str(exc))
-    runner = RankRunner(backend=args.backend, device=args.device)
+    if not (args.stall_window >= 0 and math.isfinite(args.stall_window)):
+        return _usage(parser, f"--stall-window must be a finite number of seconds >= 0, got {args.stall_window}")
+    runner = RankRunner(backend=args.backend, device=args.device, stall_window=args.stall_window)
     try:
         return _diagnose_one(args, runner) if args.target is not None else _demo(args, runner)
     except KeyboardInterrupt:

@@ -93,6 +93,16 @@ class PoolConfig:
     dump_timeout: float = 5.0
     reset_timeout: float = 30.0
     pg_timeout: float = 1800.0
+    # A test counts as hung once every rank still running has made no progress for this long
+    # (0: off, only the deadline): see RankPool.run.
+    stall_window: float = 10.0
+
+
+# A rank "makes progress" while it uses CPU: computing ranks use about a core, ranks blocked in
+# a collective, sleeping or waiting on a lock about 0.2% (gloo's threads). 1% of a core over
+# the window separates the two with room on both sides.
+STALL_CPU_FRACTION = 0.01
+STALL_SAMPLE_S = 1.0
 
 
 @dataclass
@@ -106,6 +116,7 @@ class RunOutcome:
     death_logs: dict[int, str] = field(default_factory=dict)
     timed_out: bool = False
     timeout_s: float = 0.0
+    stalled_s: float = 0.0  # > 0: ended early because no running rank made progress for this long
     aborted: dict[int, RankDump | None] = field(default_factory=dict)  # killed by us, with dump
     finished: dict[int, RankDump | None] = field(default_factory=dict)  # done when others hung
     pool_replaced: bool = False
@@ -236,6 +247,38 @@ class _Rank:
         if self.exit_fd is not None:
             handles.append(self.exit_fd)
         return handles
+
+
+class _StallWatch:
+    """Whether every rank still running has used almost no CPU for the stall window (blocked in
+    a collective, sleeping, waiting): a hang, named in seconds instead of at the deadline. A
+    slow rank that computes keeps using CPU and is never called stalled."""
+
+    def __init__(self, window: float, pids: dict[int, int], started: float) -> None:
+        self.window = window
+        self.pids = pids
+        self.samples: dict[int, list[tuple[float, float]]] = {rank: [] for rank in pids}
+        self.started = started
+        self.last_sample = 0.0
+
+    def stalled(self, running: list[int], now: float) -> bool:
+        if self.window <= 0 or not running or now - self.started < self.window:
+            return False
+        if now - self.last_sample >= STALL_SAMPLE_S:
+            self.last_sample = now
+            for rank in running:
+                history = self.samples[rank]
+                history.append((now, _proc.cpu_seconds(self.pids[rank])))
+                while len(history) > 2 and history[1][0] <= now - self.window:
+                    history.pop(0)  # keep one sample at or before the window's start
+        for rank in running:
+            history = self.samples[rank]
+            if len(history) < 2 or history[0][0] > now - self.window + STALL_SAMPLE_S:
+                return False  # not a whole window observed yet
+            used = history[-1][1] - history[0][1]
+            if used >= STALL_CPU_FRACTION * (history[-1][0] - history[0][0]):
+                return False
+        return True
 
 
 class RankPool:
@@ -395,10 +438,14 @@ class RankPool:
             except (OSError, EOFError):
                 pass  # noticed below as a death
         first_failure: float | None = None
+        stall = _StallWatch(self.config.stall_window, {r.rank: r.proc.pid for r in self.ranks}, started)
         while pending:
             now = time.monotonic()
             limit = deadline if first_failure is None else min(deadline, first_failure + self.config.failure_grace)
             if now >= limit:
+                break
+            if first_failure is None and stall.stalled(list(pending), now):
+                outcome.stalled_s = self.config.stall_window
                 break
             handles = [h for r in pending.values() for h in r.wait_handles()]
             ready = wait(handles, timeout=min(limit - now, 0.5))

@@ -57,6 +57,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} s is not allowed; give a finite number of seconds >= 0 (0: off)")
+    return value
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("distributed", "multi-rank tests (parallel-harness)")
     group.addoption(
@@ -84,6 +94,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--dist-failure-grace", type=_positive_float, default=3.0, metavar="SECONDS",
         help="once one rank failed, how long the others may take to finish before they are "
         "reported as aborted and killed (default 3)",
+    )
+    group.addoption(
+        "--dist-stall-window", type=_non_negative_float, default=10.0, metavar="S",
+        help="a test whose running ranks all make no progress (use no CPU: blocked in a collective, "
+             "sleeping, waiting) for S seconds is reported as hung then, before its deadline; 0: off (default 10)",
     )
     group.addoption(
         "--dist-start-method", choices=("forkserver", "spawn"), default="forkserver",
@@ -282,6 +297,7 @@ class SpawnRunner:
                 PoolConfig(
                     startup_timeout=self.config.getoption("dist_startup_timeout"),
                     failure_grace=self.config.getoption("dist_failure_grace"),
+                    stall_window=self.config.getoption("dist_stall_window"),
                 ),
                 fresh_per_test=self.config.getoption("dist_fresh_pool"),
                 start_method=self.config.getoption("dist_start_method"),

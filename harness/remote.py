@@ -60,9 +60,19 @@ def _importable(fn: Callable[..., Any]) -> tuple[str, str]:
 class RankRunner:
     """Owns (or borrows) a :class:`PoolManager`; pools stay warm between calls."""
 
-    def __init__(self, manager: PoolManager | None = None, *, backend: str = "auto", device: str = "auto"):
+    def __init__(
+        self,
+        manager: PoolManager | None = None,
+        *,
+        backend: str = "auto",
+        device: str = "auto",
+        stall_window: float | None = None,
+    ):
+        """``stall_window``: seconds without progress on every running rank before a call counts
+        as hung (default :class:`~harness.launcher.PoolConfig`'s 10 s; 0: only the deadline)."""
         self._own = manager is None
-        self.manager = manager or PoolManager(PoolConfig())
+        config = PoolConfig() if stall_window is None else PoolConfig(stall_window=stall_window)
+        self.manager = manager or PoolManager(config)
         self.backend = backend
         self.device = device
 

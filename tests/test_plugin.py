@@ -432,3 +432,41 @@ def test_plugin_is_registered_by_entry_point(pytester):
     for option in ("--nproc=N", "--dist-backend", "--dist-device", "--dist-timeout", "--dist-fresh-pool"):
         assert option in text
     assert "distributed(nproc=None, timeout=None)" in pytester.runpytest_subprocess("--markers").stdout.str()
+
+
+STALLS = """
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(nproc=2, timeout=120)
+def test_rank1_skips_the_barrier(dist_ctx):
+    if dist_ctx.rank == 0:
+        dist.barrier()
+
+
+@pytest.mark.distributed(nproc=2, timeout=120)
+def test_slow_but_computing(dist_ctx):
+    end = time.monotonic() + 4  # twice the stall window, busy all along
+    x = torch.randn(64, 64)
+    while time.monotonic() < end:
+        x = torch.tanh(x @ x)
+    dist.barrier()
+"""
+
+
+def test_a_stall_is_named_in_seconds_and_a_slow_run_is_not(pytester, monkeypatch):
+    """Every running rank without progress (no CPU: blocked in a collective) for the stall window
+    is a hang, reported then - not at the 120 s deadline; ranks that compute for longer than the
+    window are never called hung."""
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_stalls=STALLS)
+    result = pytester.runpytest_subprocess("--dist-stall-window", "2", "-p", "no:cacheprovider", "-rA", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    hung = _section(out, "test_rank1_skips_the_barrier")
+    assert "HANG: no rank still running made progress for 2 s" in hung and "before its 120 s deadline" in hung
+    assert "rank 0: in barrier" in hung
+    _assert_no_leftovers(tag)
