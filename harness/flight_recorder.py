@@ -115,6 +115,11 @@ def read_entries(after_record_id: int = -1, with_stacks: bool = True) -> list[Co
     calls = [c for c in hooks.calls_since(py_mark) if c.t0_ns >= since_ns]
     records = collectives.merge(data, raw, calls)
     collectives.renumber_p2p(records)  # p2p ops counted from the mark, like a test's collectives
+    from harness.tracing.trace import current_tracer
+
+    tracer = current_tracer()
+    if tracer is not None:  # a traced run: each record's step and phase ("harness" for its own)
+        tracer.attribute(records)
     return [collectives.to_entry(r) for r in records]
 
 

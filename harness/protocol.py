@@ -74,6 +74,7 @@ class CollectiveEntry:
     peer: int | None = None  # global rank of a p2p op's peer (None: any source)
     tag: int = 0
     time_ns: int = 0  # wall clock when issued
+    phase: str = ""  # the tracer's phase when issued: "harness" for the harness's own collectives
 
 
 @dataclass

@@ -11,6 +11,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,27 +109,10 @@ def train_strategy(
     )
     torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
     try:
-        for step in range(case.steps):
-            if tracer is not None:
-                tracer.begin_step(step)
-                tracer.set_phase("train")
-            batches = strategy.local_batches(case, setup, step)
-            losses = strategy.forward_backward(case, setup, batches)
-            if len(losses) != len(batches):
-                raise RunError(
-                    f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses "
-                    f"for {len(batches)} micro-batches at step {step}"
-                )
-            for batch, loss in zip(batches, losses):
-                recorder.micro_batch(step, loss, batch.ids)
-                if tracer is not None:
-                    tracer.record_samples(step, batch.ids)
-            with tracer.phase("harness") if tracer is not None else contextlib.nullcontext():
-                recorder.grads(step)
-            strategy.optimizer_step(case, setup)
-            with tracer.phase("harness") if tracer is not None else contextlib.nullcontext():
-                recorder.after_step(step)
-            setup.optimizer.zero_grad(set_to_none=True)
+        # Active while training, so a hang dump can tell the harness's own collectives apart.
+        with tracer if tracer is not None else contextlib.nullcontext():
+            for step in range(case.steps):
+                _train_step(case, strategy, setup, recorder, tracer, step)
     except BaseException:
         recorder.finish(complete=False)  # keep what was recorded
         if tracer is not None and record_path is not None:
@@ -149,6 +133,35 @@ def check_comparison_mode(comparison: str) -> str:
     if comparison not in COMPARISON_MODES:
         raise RunError(f"unknown comparison mode {comparison!r}; allowed: {', '.join(COMPARISON_MODES)}")
     return comparison
+
+
+def _train_step(case: Case, strategy: Strategy, setup: Any, recorder: RankRecorder, tracer: Tracer | None, step: int) -> None:
+    """One recorded step of ``strategy``: its batches, forward/backward, the gradients, the
+    optimizer step, then parameters and optimizer state (the harness's parts traced as such)."""
+
+    def harness_phase() -> Any:
+        return tracer.phase("harness") if tracer is not None else contextlib.nullcontext()
+
+    if tracer is not None:
+        tracer.begin_step(step)
+        tracer.set_phase("train")
+    batches = strategy.local_batches(case, setup, step)
+    losses = strategy.forward_backward(case, setup, batches)
+    if len(losses) != len(batches):
+        raise RunError(
+            f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses "
+            f"for {len(batches)} micro-batches at step {step}"
+        )
+    for batch, loss in zip(batches, losses):
+        recorder.micro_batch(step, loss, batch.ids)
+        if tracer is not None:
+            tracer.record_samples(step, batch.ids)
+    with harness_phase():
+        recorder.grads(step)
+    strategy.optimizer_step(case, setup)
+    with harness_phase():
+        recorder.after_step(step)
+    setup.optimizer.zero_grad(set_to_none=True)
 
 
 def resolve_tolerance(

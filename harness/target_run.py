@@ -9,6 +9,7 @@ A hang comes back as the launcher's timeout dumps and is diagnosed from the coll
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -87,7 +88,7 @@ def diagnose_on_rank(
 
     from .custom import CustomRun
     from .rank_diagnosis import diagnosis_report, run_and_diagnose
-    from .run import compare_to_reference
+    from .run import compare_to_reference, trace_parts_dir
 
     started = time.monotonic()
     target = load_target(target_spec)
@@ -115,10 +116,17 @@ def diagnose_on_rank(
     run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer)
     torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
     try:
-        target.train(ctx, run)
+        # Active while the loop runs, so a hang dump can tell the harness's collectives apart.
+        with tracer if tracer is not None else contextlib.nullcontext():
+            target.train(ctx, run)
     except BaseException:
         if run.recorder is not None:
             run.finish(complete=False)
+        if tracer is not None:
+            try:  # the ranks may no longer be in step: each writes its own trace part
+                tracer.save_part(trace_parts_dir(record_dir))
+            except Exception:  # noqa: BLE001 - the loop's own error is what the user must see
+                pass
         raise
     record = run.finish()
     run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": "custom"}) if tracer is not None else None

@@ -263,3 +263,23 @@ def test_the_hooks_wrap_process_group_methods_once_and_come_off() -> None:
     assert ProcessGroup.__dict__["allreduce"] is raw and not hooks.installed()  # pybind's descriptor back
     if was_installed:
         hooks.install()
+
+
+def test_collective_sequences_are_aligned_so_an_extra_collective_is_named_with_its_line() -> None:
+    """Rank 0 issues one all_reduce more (a flag of the same shape and dtype as the next
+    gradient's): position by position every later collective would differ; aligned, the extra
+    one and its call site are named."""
+    from harness.tracing.collectives import CollectiveRecord, compare_ranks
+
+    def rec(rank: int, seq: int, shape: list[int], site: str, t: int) -> CollectiveRecord:
+        return CollectiveRecord(rank=rank, index=seq, op="all_reduce", group="0", group_desc="default_pg", group_ranks=[0, 1],
+                                seq=seq, shapes=[shape], dtypes=["float32"], reduce_op="sum", call_site=site, t_ns=t)
+
+    grads = [([4], "loop.py:20 in sync"), ([4], "loop.py:20 in sync"), ([16, 4], "loop.py:20 in sync")]
+    rank0 = [rec(0, 1, [4], "loop.py:31 in found_inf", 1)] + [rec(0, i + 2, s, site, 10 + i) for i, (s, site) in enumerate(grads)]
+    rank1 = [rec(1, i + 1, s, site, 10 + i) for i, (s, site) in enumerate(grads)]
+    [d] = compare_ranks({0: rank0, 1: rank1})
+    assert d.code == "collective-mismatch" and d.evidence["aligned"]
+    assert d.evidence["extra_on_ranks"] == [0] and d.evidence["absent_ranks"] == [1]
+    assert d.evidence["call_site"] == "loop.py:31 in found_inf"
+    assert "which rank 1 never issued" in d.summary

@@ -122,3 +122,55 @@ def test_a_deadlock_across_two_groups_names_both(rank_runner) -> None:
     assert by_group["first"]["waiting_ranks"] == [0] and by_group["first"]["absent_ranks"] == [1]
     assert by_group["second"]["waiting_ranks"] == [1] and by_group["second"]["absent_ranks"] == [0]
     assert "waiting in all_reduce" in by_group["first"]["absent"]["1"]
+
+
+CUSTOM_LOOP_EXTRA_FLAG = '''
+import torch
+import torch.distributed as dist
+from cases.catalog import mlp_case
+from harness.rank_record import RankLayout
+
+CASE = mlp_case("sgd", steps=2)
+TIMEOUT = 8
+
+
+def found_inf(model):
+    flag = torch.zeros(1)
+    dist.all_reduce(flag)  # only the "first stage" calls this
+
+
+def train(ctx, run):
+    model = CASE.build_model(ctx.device)
+    optimizer = CASE.build_optimizer(model.parameters())
+    run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))
+    for step in range(run.steps):
+        for batch in run.batches(step):
+            loss = CASE.forward_loss(model, batch)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss, batch.ids)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        if ctx.rank == 0:
+            found_inf(model)
+        run.before_step(step)
+        optimizer.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+'''
+
+
+def test_a_collective_on_some_ranks_only_is_named_at_its_line_not_the_harness_collective(rank_runner, reference_cache, tmp_path) -> None:
+    """Rank 0 all-reduces a flag the other rank never issues; rank 1 goes on into the harness's
+    own all_gather (run.before_step). The collective named is rank 0's, at its line - never
+    the harness's."""
+    from harness.target_run import diagnose_target
+
+    path = tmp_path / "extra_flag.py"
+    path.write_text(CUSTOM_LOOP_EXTRA_FLAG)
+    report = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "work")
+    assert report.verdict.verdict == "hang" and report.codes == ["collective-missing"], report.verdict.to_dict()
+    [d] = report.verdict.diagnoses
+    assert d.evidence["extra_on_ranks"] == [0] and d.evidence["absent_ranks"] == [1]
+    assert d.evidence["call_site"].endswith("extra_flag.py:13 in found_inf"), d.evidence
+    assert "the harness's own all_gather" in d.summary

@@ -16,6 +16,8 @@ the k-th send must meet the k-th receive with the same shape and dtype.
 
 from __future__ import annotations
 
+import difflib
+
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -296,6 +298,7 @@ def to_entry(record: CollectiveRecord) -> CollectiveEntry:
         peer=record.peer,
         tag=record.tag,
         time_ns=record.t_ns,
+        phase=record.phase,
     )
 
 
@@ -319,6 +322,7 @@ def from_entry(entry: CollectiveEntry, rank: int, index: int) -> CollectiveRecor
         call_site=entry.call_site,
         t_ns=getattr(entry, "time_ns", 0),
         source=entry.state,
+        phase=getattr(entry, "phase", ""),
     )
 
 
@@ -392,7 +396,8 @@ def compare_ranks(
             lacking = [m for m in members if seq not in per_rank.get(m, {}) and max_seq[m] < seq]
             recs = [per_rank[m][seq] for m in holders]
             if len(recs) >= 2 and _differs(recs):
-                out.append((min(r.t_ns for r in recs), _mismatch(recs, by_rank, status, hang, positions)))
+                extra = _extra_collective(members, per_rank, seq, by_rank, status, hang, positions)
+                out.append((min(r.t_ns for r in recs), extra or _mismatch(recs, by_rank, status, hang, positions)))
                 break
             if lacking and recs:
                 out.append((min(r.t_ns for r in recs), _missing(recs, lacking, by_rank, status, hang, positions)))
@@ -432,6 +437,95 @@ def compare_ranks(
 
     out.sort(key=lambda item: item[0])
     return [d for _, d in out]
+
+
+def _aligned_signature(r: CollectiveRecord) -> tuple:
+    return (_signature(r), r.reduce_op, short_site(r.call_site))
+
+
+def _extra_collective(
+    members: Sequence[int],
+    per_rank: Mapping[int, Mapping[int, CollectiveRecord]],
+    seq: int,
+    by_rank: Mapping[int, Sequence[CollectiveRecord]],
+    status: Mapping[int, RankStatus],
+    hang: bool,
+    positions: Mapping[int, Mapping[int, int]] | None,
+) -> Diagnosis | None:
+    """At the first position ``seq`` where a group's ranks differ, whether some ranks issued
+    collectives the others never did: the sequences from there are aligned (op, shapes, dtypes,
+    reduce op and call site, :class:`difflib.SequenceMatcher`) rather than compared position by
+    position, so the rank that issued the extra collective and its line are named, not the
+    collective that happens to sit one position later. A collective the harness issued itself
+    (its ``phase`` is "harness") is never the extra one: where some ranks are in the harness's
+    own collective and others in theirs, theirs is the extra."""
+    full = {m: [per_rank[m][s] for s in sorted(per_rank.get(m, {}))] for m in members}
+    heads = {m: per_rank[m][seq] for m in members if seq in per_rank.get(m, {})}
+    if len(heads) < 2:
+        return None
+    harness = [m for m, r in heads.items() if r.phase == "harness"]
+    own = [m for m, r in heads.items() if r.phase != "harness"]
+    if harness and own:
+        return _extra(own, harness, [heads[m] for m in own], heads, by_rank, status, hang, positions, "the harness's own")
+    # Aligned over the whole sequences: a same-shaped extra may sit positions before the first
+    # position-by-position difference (only its call site tells it apart).
+    base = max(full, key=lambda m: len(full[m]))
+    for other in (m for m in members if m != base and full.get(m)):
+        a, b = full[base], full[other]
+        opcodes = [op for op in difflib.SequenceMatcher(
+            None, [_aligned_signature(r) for r in a], [_aligned_signature(r) for r in b], autojunk=False
+        ).get_opcodes()]
+        first = next((i for i, op in enumerate(opcodes) if op[0] != "equal"), None)
+        if first is None:
+            continue
+        tag, i1, i2, j1, j2 = opcodes[first]
+        if tag not in ("delete", "insert") or (first + 1 < len(opcodes) and opcodes[first + 1][0] != "equal"):
+            continue  # not one-sided extras followed by agreement: a real mismatch
+        extra_on, lacking, extra = (base, other, a[i1:i2]) if tag == "delete" else (other, base, b[j1:j2])
+        # Where each rank stood at the extra: the extra itself, and what the other did instead.
+        at = {extra_on: extra[0]}
+        following = (b[j1] if j1 < len(b) else None) if tag == "delete" else (a[i1] if i1 < len(a) else None)
+        if following is not None:
+            at[lacking] = following
+        return _extra([extra_on], [lacking], extra, at, by_rank, status, hang, positions, "")
+    return None
+
+
+def _extra(
+    issuers: Sequence[int],
+    lacking: Sequence[int],
+    extra: Sequence[CollectiveRecord],
+    heads: Mapping[int, CollectiveRecord],
+    by_rank: Mapping[int, Sequence[CollectiveRecord]],
+    status: Mapping[int, RankStatus],
+    hang: bool,
+    positions: Mapping[int, Mapping[int, int]] | None,
+    lacking_is: str,
+) -> Diagnosis:
+    first = extra[0]
+    more = f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""
+    issued = "; ".join(f"rank {m} {_verb(heads[m], by_rank, status, hang)} {heads[m].describe()} at {_site(heads[m])}{_step(heads[m])}"
+                       for m in issuers if m in heads)
+    went_on = "; ".join(
+        f"rank {m} went on to {lacking_is + ' ' if lacking_is else ''}{heads[m].describe()} at {_site(heads[m])}"
+        for m in lacking if m in heads
+    )
+    who = ", ".join(f"rank {m}" for m in lacking)
+    summary = f"collective #{first.seq} on {first.group_label}: {issued}{more}, which {who} never issued ({went_on})"
+    return Diagnosis(
+        "collective-missing" if hang else "collective-mismatch",
+        summary,
+        {
+            "group": first.group, "group_desc": first.group_desc, "group_ranks": first.group_ranks,
+            "seq": first.seq, "position": first.seq, "op": first.op,
+            "extra_on_ranks": list(issuers), "absent_ranks": list(lacking),
+            "extra": [r.evidence() for r in extra[:5]],
+            "call_site": short_site(first.call_site),
+            "lacking_ranks_next": {str(m): heads[m].evidence() for m in lacking if m in heads},
+            "position_per_rank": _positions([heads[m] for m in heads], positions),
+            "aligned": True, "hang": hang,
+        },
+    )
 
 
 def _positions(recs: Iterable[CollectiveRecord], positions: Mapping[int, Mapping[int, int]] | None) -> dict[str, int]:

@@ -527,7 +527,7 @@ class Tracer:
             for r in records:
                 if r.fr_id in frames:
                     r.call_site = flight_recorder.call_site_of(frames[r.fr_id])
-        self._attribute(records)
+        self.attribute(records)
         self._records.extend(records)
         if raw:
             self._fr_after = max(int(e.get("record_id", -1)) for e in raw)
@@ -545,7 +545,8 @@ class Tracer:
         self._flush_every = max(1, room // per_step)
         self._steps_since_flush = 0
 
-    def _attribute(self, records: list[CollectiveRecord]) -> None:
+    def attribute(self, records: list[CollectiveRecord]) -> None:
+        """Set each record's step and phase from when it was issued."""
         times = [t for t, _ in self._boundaries]
         ptimes = [t for t, _ in self._phase_marks]
         for r in records:
