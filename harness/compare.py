@@ -412,15 +412,33 @@ def _brief(value: Any) -> Any:
 
 
 def _rename_hints(issues: Iterable[StructureIssue], expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Pair a missing entry with an extra one of the same step, kind and shape."""
+    """Pair each missing parameter with the extra one of the same shape and dtype (or its
+    transpose), and propose the whole mapping as ``run.watch(..., names={...})`` takes it."""
     hints = []
-    missing = [i for i in issues if i.category == "missing" and i.name and i.step == 0]
-    extra = [i for i in issues if i.category == "extra" and i.name and i.step == 0]
+    missing = [i for i in issues if i.category == "missing" and i.name and i.step == 0 and i.kind == "param"]
+    extra = [i for i in issues if i.category == "extra" and i.name and i.step == 0 and i.kind == "param"]
+    proposal: dict[str, str] = {}
     for m in missing:
-        for x in extra:
-            if m.kind == x.kind and expected["steps"][0][m.kind][m.name] == actual["steps"][0][x.kind][x.name]:
-                hints.append(f"{m.kind} {m.name!r} may have been renamed to {x.name!r}")
-    return hints[:10]
+        want = expected["steps"][0]["param"][m.name]
+        same = [x for x in extra if actual["steps"][0]["param"][x.name] == want and x.name not in proposal]
+        flipped = [x for x in extra if x.name not in proposal and _transposed(actual["steps"][0]["param"][x.name], want)]
+        if len(same) == 1:
+            proposal[same[0].name] = m.name
+            hints.append(f"param {m.name!r} may have been renamed to {same[0].name!r} (same shape {want['shape']})")
+        elif not same and len(flipped) == 1:
+            hints.append(f"param {m.name!r} may have been renamed to {flipped[0].name!r} and transposed "
+                         f"({actual['steps'][0]['param'][flipped[0].name]['shape']} vs {want['shape']}): record it in the "
+                         "reference's layout")
+        elif len(same) > 1:
+            hints.append(f"param {m.name!r} may have been renamed to one of {[x.name for x in same]} (same shape)")
+    if proposal:
+        hints.append(f"renamed parameters, proposed from their shapes: run.watch(model, optimizer, layout, names={proposal!r})")
+    return hints[:12]
+
+
+def _transposed(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    sa, sb = a.get("shape", ""), b.get("shape", "")
+    return a.get("dtype") == b.get("dtype") and sa != sb and sa.strip("(),").split(", ")[::-1] == sb.strip("(),").split(", ")
 
 
 # -- samples -------------------------------------------------------------------------------

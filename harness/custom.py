@@ -28,7 +28,7 @@ Hand-sharded tensors (a plain tensor holding this rank's slice) are declared onc
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from torch import nn
 from reference.case import Batch, Case, collate
 from reference.schedule import replica_micro_batch_indices
 
-from .gather import annotate_shard
+from .gather import annotate_shard, rename_parameters
 from .rank_record import RankLayout, RankRecorder, RecorderError
 
 __all__ = ["CustomRun"]
@@ -64,12 +64,24 @@ class CustomRun:
     def steps(self) -> int:
         return self.case.steps
 
-    def watch(self, model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer, layout: RankLayout | None = None) -> None:
+    def watch(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        layout: RankLayout | None = None,
+        *,
+        names: Mapping[str, str] | Callable[[str], str] | None = None,
+    ) -> None:
         """Collective: record ``model``/``optimizer`` from now on. ``layout`` says which
         data-parallel replica / pipeline stage / mesh coordinate this rank is (default: plain
-        data parallelism over every rank)."""
+        data parallelism over every rank). ``names``: where your parameter names differ from
+        the reference model's, a mapping ``{"up_w": "up.weight"}`` or a function of the name
+        (:func:`harness.gather.rename_parameters`)."""
         if self.recorder is not None:
             raise RecorderError("run.watch() was called twice; call it once, after building the model and optimizer")
+        if names is not None:
+            for module in [model] if isinstance(model, nn.Module) else list(model):
+                rename_parameters(module, names)
         self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
         self.model = model
         if self.tracer is not None:

@@ -321,7 +321,7 @@ class Analysis:
             scales = [const[n].scale for n in scaled if const[n].scale is not None]
             c = sum(scales) / len(scales)
             if all(_close(s, c) for s in scales):
-                d = self._scale_diagnosis(c, step, scaled)
+                d = self._scale_diagnosis(c, step, scaled, total=len(fits))
                 d.evidence["partial"] = True
                 d.evidence["unaffected"] = [n for n in fits if n not in scaled][:20]
                 out.append(d)
@@ -339,21 +339,31 @@ class Analysis:
     def _fit_tensor(self, step: int, kind: str, name: str) -> tuple[float | None, float]:
         return _fit(self.act.tensor(step, kind, name), self.ref.tensor(step, kind, name))
 
-    def _scale_diagnosis(self, c: float, step: int, params: list[str]) -> Diagnosis:
+    def _scale_diagnosis(self, c: float, step: int, params: list[str], total: int | None = None) -> Diagnosis:
         n_dp, m, stages = self.dp_size, self.micro_batches, self.num_stages
         tp = self.mesh_size("tp")
         evidence: dict[str, Any] = {"factor": c, "step": step, "params": params[:20], "param_count": len(params),
                                     "dp_size": n_dp, "micro_batches": m, "pipeline_stages": stages}
+        which = "every gradient" if total is None or len(params) >= total else f"{len(params)} of {total} gradients"
+        if n_dp > 1 and m > 1 and stages == 1 and n_dp == m and (_close(c, m) or _close(c, 1 / m)):
+            # Two sizes of this run give the same factor: say both, and how to tell them apart.
+            up = _close(c, m)
+            sources = [f"{'x' if up else '/'} data-parallel size ({n_dp}): gradients {'summed over replicas and never divided' if up else 'averaged over replicas twice'}",
+                       f"{'x' if up else '/'} micro-batches / accumulation steps ({m}): the accumulated loss {'never divided by' if up else 'divided twice by'} {m}"]
+            evidence.update(likely_source=" or ".join(sources), candidates=sources,
+                            how_to_tell=f"rerun with a micro-batch count other than {m} (or another data-parallel size): the factor follows its cause")
+            return Diagnosis("grad-scaled", f"{which} {'is' if which == 'every gradient' else 'are'} {_fmt(c)} x the reference's: "
+                             f"{n_dp} replicas and {m} micro-batches both explain it", evidence)
         if stages > 1 and m > 1 and (_close(c, m) or _close(c, 1 / m)):
             direction = "never divided by" if _close(c, m) else "divided twice by"
             evidence["likely_source"] = f"pipeline loss {direction} the {m} micro-batches"
-            return Diagnosis("pp-loss-scaling", f"every gradient is {_fmt(c)} x the reference's: the pipeline loss was {direction} the micro-batch count m={m}", evidence)
+            return Diagnosis("pp-loss-scaling", f"{which} {'is' if which == 'every gradient' else 'are'} {_fmt(c)} x the reference's: the pipeline loss was {direction} the micro-batch count m={m}", evidence)
         if n_dp > 1 and _close(c, 1 / n_dp):
             evidence["likely_source"] = f"loss or gradients divided by the data-parallel size {n_dp} although the all-reduce already averages"
-            return Diagnosis("grad-double-averaged", f"every gradient is 1/{n_dp} of the reference's ({_fmt(c)}): averaged over {n_dp} replicas twice", evidence)
+            return Diagnosis("grad-double-averaged", f"{which} {'is' if which == 'every gradient' else 'are'} 1/{n_dp} of the reference's ({_fmt(c)}): averaged over {n_dp} replicas twice", evidence)
         if n_dp > 1 and _close(c, n_dp):
             evidence["likely_source"] = f"gradients summed over {n_dp} replicas and never divided"
-            return Diagnosis("grad-not-averaged", f"every gradient is {n_dp} x the reference's ({_fmt(c)}): summed over replicas, never averaged", evidence)
+            return Diagnosis("grad-not-averaged", f"{which} {'is' if which == 'every gradient' else 'are'} {n_dp} x the reference's ({_fmt(c)}): summed over replicas, never averaged", evidence)
         sources = []
         for label, value in (("micro-batches / accumulation steps", m), ("tensor-parallel size", tp), ("pipeline stages", stages),
                              ("world size", self.world), ("data-parallel size", n_dp)):
@@ -364,7 +374,7 @@ class Analysis:
                     sources.append(f"/ {label} ({value})")
         evidence["likely_source"] = sources[0] if sources else "no size of this run explains it (a hard-coded constant?)"
         evidence["candidates"] = sources
-        return Diagnosis("grad-scaled", f"every gradient is {_fmt(c)} x the reference's" + (f": likely {sources[0]}" if sources else ""), evidence)
+        return Diagnosis("grad-scaled", f"{which} {'is' if which == 'every gradient' else 'are'} {_fmt(c)} x the reference's" + (f": likely {sources[0]}" if sources else ""), evidence)
 
     def _shard_splits(self, step: int, name: str, ndim: int) -> list[tuple[int, int]]:
         """``(dim, shards)`` splits of ``name``'s gradient in this run (recorded by the gather):

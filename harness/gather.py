@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "local_state",
     "reference_name",
     "reference_named_parameters",
+    "rename_parameters",
     "shard_spec",
 ]
 
@@ -110,12 +111,38 @@ def reference_name(model: nn.Module, name: str) -> str:
     return ".".join(out)
 
 
+_NAMES_ATTR = "_harness_reference_names"
+
+
+def rename_parameters(model: nn.Module, names: Mapping[str, str] | Callable[[str], str]) -> nn.Module:
+    """Declare the reference names of ``model``'s parameters where they differ (a hand-sharded
+    model's ``up_w`` is the reference's ``up.weight``): a mapping from this model's names
+    (wrapper prefixes already stripped) to the reference's - names it does not list stay as
+    they are - or a function of the name. Every gather, record and trace of ``model`` then uses
+    the reference names. Returns ``model``."""
+    if not (isinstance(names, Mapping) or callable(names)):
+        raise TypeError(f"names must be a mapping or a function of a parameter name, got {type(names).__name__}")
+    object.__setattr__(model, _NAMES_ATTR, names)
+    return model
+
+
+def _renamed(model: nn.Module, name: str) -> str:
+    names = getattr(model, _NAMES_ATTR, None)
+    if names is None:
+        return name
+    renamed = names.get(name, name) if isinstance(names, Mapping) else names(name)
+    if not isinstance(renamed, str) or not renamed:
+        raise GatherError(f"the names given for {type(model).__name__} map {name!r} to {renamed!r}; give a parameter name")
+    return renamed
+
+
 def reference_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``model.named_parameters()`` under reference names (clear error on collisions)."""
+    """``model.named_parameters()`` under reference names (wrapper prefixes stripped, then any
+    :func:`rename_parameters`; clear error on collisions)."""
     result: list[tuple[str, nn.Parameter]] = []
     seen: dict[str, str] = {}
     for raw, param in model.named_parameters():
-        name = reference_name(model, raw)
+        name = _renamed(model, reference_name(model, raw))
         if name in seen:
             raise GatherError(
                 f"parameters {seen[name]!r} and {raw!r} both map to reference name {name!r}"

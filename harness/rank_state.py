@@ -1,16 +1,21 @@
 """Per-rank state a test can leak into the next one, and its reset.
 
 A warm rank is reused across tests, so whatever one test changes globally (process groups,
-device meshes, RNG, deterministic flags, env vars, cwd, default dtype) is put back before the
-next. Used by the pool worker and by the in-place (torchrun) mode alike.
+device meshes, RNG, deterministic flags, env vars, cwd, sys.path, default dtype and device,
+thread count, float32 matmul precision, autograd anomaly mode, warning filters, the
+open-files limit) is put back before the next. Used by the pool worker and by the in-place
+(torchrun) mode alike.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import resource
 import sys
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,11 @@ class RankState:
     grad_enabled: bool = True
     cudnn_deterministic: bool = False
     cudnn_benchmark: bool = False
+    default_device: Any = None
+    matmul_precision: str = "highest"
+    anomaly: tuple[bool, bool] = (False, True)
+    warning_filters: list[Any] = field(default_factory=list)
+    nofile: tuple[int, int] | None = None
 
     @classmethod
     def capture(cls) -> "RankState":
@@ -42,6 +52,11 @@ class RankState:
             grad_enabled=torch.is_grad_enabled(),
             cudnn_deterministic=torch.backends.cudnn.deterministic,
             cudnn_benchmark=torch.backends.cudnn.benchmark,
+            default_device=torch.get_default_device(),
+            matmul_precision=torch.get_float32_matmul_precision(),
+            anomaly=(torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            warning_filters=list(warnings.filters),
+            nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
         )
 
     def restore(self) -> None:
@@ -66,6 +81,19 @@ class RankState:
         torch.set_grad_enabled(self.grad_enabled)
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        if torch.get_default_device() != self.default_device:
+            torch.set_default_device(self.default_device)
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != self.anomaly:
+            torch.set_anomaly_enabled(*self.anomaly)
+        warnings.filters[:] = self.warning_filters
+        getattr(warnings, "_filters_mutated", lambda: None)()  # drop the cached "once" decisions
+        if self.nofile is not None and resource.getrlimit(resource.RLIMIT_NOFILE) != self.nofile:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
+            except (ValueError, OSError):  # a lowered hard limit cannot be raised without privilege
+                pass
 
 
 def seed_everything(seed: int) -> None:

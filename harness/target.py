@@ -128,10 +128,23 @@ def _value(obj: Any) -> Any:
 
 
 def _is_train_fn(obj: Any) -> bool:
+    """A custom loop: a function taking ``(ctx, run)`` (any names) as its first two positional
+    parameters, every further parameter with a default (``train(ctx, run, bug=False)``)."""
     if not inspect.isfunction(obj):
         return False
-    params = list(inspect.signature(obj).parameters)
-    return len(params) == 2 and params[0] == "ctx"
+    params = list(inspect.signature(obj).parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 or any(p.default is not p.empty for p in positional[:2]):
+        return False
+    rest = [p for p in params if p not in positional[:2]]
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in rest)
+
+
+def _signature_text(obj: Any) -> str:
+    try:
+        return f"{obj.__name__}{inspect.signature(obj)}"
+    except (TypeError, ValueError, AttributeError):
+        return repr(obj)
 
 
 def target_from_module(module: ModuleType, name: str | None = None, *, label: str | None = None) -> Target:
@@ -156,10 +169,21 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
             train = chosen
         else:
             strategy = _value(chosen)
+            if inspect.isfunction(strategy) or not hasattr(strategy, "setup"):
+                raise TargetError(
+                    f"{where}:{name} is {_signature_text(chosen)}: a target is a Strategy (an instance, a class, or a "
+                    "function of no required arguments returning one) or a custom loop train(ctx, run, ...) whose "
+                    "parameters after (ctx, run) all have defaults"
+                )
     elif hasattr(module, "STRATEGY"):
         strategy = _value(module.STRATEGY)
     elif _is_train_fn(getattr(module, "train", None)):
         train = module.train
+    elif callable(getattr(module, "train", None)):
+        raise TargetError(
+            f"{where}: train is {_signature_text(module.train)}; a custom loop takes (ctx, run) first and gives every "
+            "other parameter a default, e.g. train(ctx, run, bug=False)"
+        )
     else:
         raise TargetError(f"{where} defines neither STRATEGY (a harness.strategy.Strategy) nor train(ctx, run) (a custom loop)")
     if strategy is not None and not all(hasattr(strategy, m) for m in ("name", "setup", "local_batches", "forward_backward", "optimizer_step")):

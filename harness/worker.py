@@ -257,6 +257,11 @@ class RankWorker:
             timeout=timeout,
             **kwargs,
         )
+        # A forked rank inherits the fork server's intra-op pool, sized before OMP_NUM_THREADS
+        # was set for the ranks: apply it, so nproc ranks on few cores do not oversubscribe.
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
         self.baseline = RankState.capture()
 
     def run(self, task: TestTask) -> RankResult:

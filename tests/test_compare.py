@@ -81,7 +81,9 @@ def test_missing_and_renamed_keys_are_structure_issues(ref: Record, tmp_path) ->
     renamed = compare(ref, rewrite(ref, tmp_path / "ren", rename={"fc1.weight": "layer1.weight"}))
     cats = {(i.category, i.name) for i in renamed.structure}
     assert {("missing", "fc1.weight"), ("extra", "layer1.weight")} <= cats
-    assert "param 'fc1.weight' may have been renamed to 'layer1.weight'" in renamed.notes
+    assert "param 'fc1.weight' may have been renamed to 'layer1.weight' (same shape (16, 8))" in renamed.notes
+    # The whole mapping, proposed from the shapes, ready for run.watch(..., names=...).
+    assert "renamed parameters, proposed from their shapes: run.watch(model, optimizer, layout, names={'layer1.weight': 'fc1.weight'})" in renamed.notes
     assert "structure differs" in renamed.summary()
 
 

@@ -280,3 +280,72 @@ def test_target_files_are_validated_and_package_files_import_as_part_of_their_pa
 def test_list_into_a_closed_pipe_ends_quietly() -> None:
     proc = subprocess.run(f"{sys.executable} -m harness list | head -1", shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() and "Traceback" not in proc.stderr, proc.stderr
+
+
+RENAMED_LOOP = '''
+import torch
+import torch.distributed as dist
+from torch import nn
+from cases.catalog import mlp_case
+from harness.rank_record import RankLayout
+
+CASE = mlp_case("sgd", steps=2)
+NAMES = {"up_w": "fc1.weight", "up_b": "fc1.bias", "down_w": "fc2.weight", "down_b": "fc2.bias"}
+
+
+class Mine(nn.Module):
+    """The reference MLP by hand, with its own parameter names."""
+
+    def __init__(self, ref):
+        super().__init__()
+        self.up_w, self.up_b = nn.Parameter(ref.fc1.weight.detach().clone()), nn.Parameter(ref.fc1.bias.detach().clone())
+        self.down_w, self.down_b = nn.Parameter(ref.fc2.weight.detach().clone()), nn.Parameter(ref.fc2.bias.detach().clone())
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.up_w, self.up_b)), self.down_w, self.down_b)
+
+
+def train(ctx, run, names=NAMES):
+    model = Mine(CASE.build_model(ctx.device))
+    optimizer = CASE.build_optimizer(model.parameters())
+    run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size), names=names)
+    for step in range(run.steps):
+        for batch in run.batches(step):
+            loss = CASE.forward_loss(model, batch)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss, batch.ids)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        run.before_step(step)
+        optimizer.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+
+
+def unnamed(ctx, run):
+    train(ctx, run, names=None)
+'''
+
+
+def test_renamed_parameters_are_mapped_by_watch_and_proposed_from_shapes(rank_runner, reference_cache, tmp_path) -> None:
+    """train(ctx, run, names=...) with a defaulted extra parameter is a custom loop; names= maps
+    a hand-written model's parameters to the reference's; without it the state-structure report
+    proposes that mapping from the shapes."""
+    path = tmp_path / "renamed.py"
+    path.write_text(RENAMED_LOOP)
+    mapped = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "a")
+    assert mapped.verdict.verdict == "pass", mapped.verdict.to_dict()
+    unnamed = diagnose_target(f"{path}:unnamed", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "b")
+    assert unnamed.codes == ["state-structure"], unnamed.verdict.to_dict()
+    hints = unnamed.verdict.diagnoses[0].evidence["hints"]
+    assert any("names={" in h and "'up_w': 'fc1.weight'" in h and "'down_b': 'fc2.bias'" in h for h in hints), hints
+
+
+def test_a_target_that_is_neither_strategy_nor_loop_says_what_is_allowed(tmp_path) -> None:
+    path = tmp_path / "t.py"
+    path.write_text("from cases.catalog import mlp_case\nCASE = mlp_case()\n\ndef train(ctx, run, bug):\n    pass\n\ndef helper(x):\n    return x\n")
+    with pytest.raises(TargetError, match=r"train is train\(ctx, run, bug\); a custom loop takes \(ctx, run\) first and gives every other parameter a default"):
+        load_target(str(path))
+    with pytest.raises(TargetError, match=r"t\.py:helper is helper\(x\): a target is a Strategy .* or a custom loop train\(ctx, run, \.\.\.\)"):
+        load_target(f"{path}:helper")

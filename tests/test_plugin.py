@@ -70,15 +70,32 @@ class TestMethods:
 
 @pytest.mark.distributed
 def test_leaks_state(dist_ctx):
+    import resource
+    import warnings
+
+    assert torch.get_num_threads() == 1  # OMP_NUM_THREADS=1 holds in forked ranks too
     os.environ["LEAKED_BY_TEST"] = "1"
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(1000 + dist_ctx.rank)
     group = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(1), group=group)
+    torch.set_default_device("meta")
+    torch.set_float32_matmul_precision("medium")
+    torch.set_anomaly_enabled(True)
+    warnings.simplefilter("error")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
 
 
 @pytest.mark.distributed
 def test_state_was_reset(dist_ctx):
+    import resource
+    import warnings
+
+    assert torch.ones(1).device.type == "cpu"
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.is_anomaly_enabled()
+    assert not any(f[0] == "error" and f[2] is Warning for f in warnings.filters)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 256
     assert "LEAKED_BY_TEST" not in os.environ
     assert not torch.are_deterministic_algorithms_enabled()
     assert len(c10d._world.pg_map) == 1  # only the default group is left
