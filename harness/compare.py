@@ -490,7 +490,8 @@ def compare(
         result.notes.append(f"the parallel run's record is incomplete (it failed after {actual.num_steps} steps)")
 
     expected_structure, actual_structure = _structure(reference), _structure(actual)
-    diff = DeepDiff(expected_structure, actual_structure, verbose_level=2)
+    # DeepDiff only where the structures differ: on identical ones it costs a third of a comparison.
+    diff = DeepDiff(expected_structure, actual_structure, verbose_level=2) if expected_structure != actual_structure else None
     if diff:
         result.structure = _structure_issues(diff)
         result.structure_text = diff.pretty()

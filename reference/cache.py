@@ -8,6 +8,7 @@ the torch version. Strategies that share a case therefore share one reference tr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -40,6 +41,19 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _source(obj: Any) -> str:
+    try:
+        return _cached_source(obj)
+    except TypeError:  # unhashable: read it again
+        return _read_source(obj)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_source(obj: Any) -> str:
+    # Reading source is slow (tokenising whole files) and a fingerprint reads every class's.
+    return _read_source(obj)
+
+
+def _read_source(obj: Any) -> str:
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):

@@ -22,6 +22,7 @@ import shutil
 import time
 import urllib.parse
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -154,13 +155,22 @@ def _file_name(name: str) -> str:
     return urllib.parse.quote(name, safe="._-") + ".pt"
 
 
+# Tensors a Record keeps after loading them (a comparison, the stepwise replay and the
+# trajectory view each read the same tensors): bounded, so a large model's record is still read
+# a tensor at a time.
+TENSOR_CACHE_BYTES = 64 * 2**20
+
+
 class Record:
-    """A finished record on disk. Tensor values are loaded on demand, one at a time."""
+    """A finished record on disk. Tensor values are loaded on demand, one at a time (the most
+    recent ones, up to ``TENSOR_CACHE_BYTES``, kept for the next reader)."""
 
     def __init__(self, path: Path, meta: dict[str, Any], steps: list[StepRecord]):
         self.path = path
         self.meta = meta
         self.steps = steps
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cached_bytes = 0
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -215,9 +225,21 @@ class Record:
         return entries[name]
 
     def tensor(self, step: int, kind: str, name: str) -> torch.Tensor:
-        """Load one tensor (on CPU)."""
+        """Load one tensor (on CPU). Each call returns a tensor of its own: callers may change it."""
         info = self.info(step, kind, name)
-        return torch.load(self.path / info.file, map_location="cpu", weights_only=True)
+        cached = self._cache.get(info.file)
+        if cached is not None:
+            self._cache.move_to_end(info.file)
+            return cached.clone()
+        value = torch.load(self.path / info.file, map_location="cpu", weights_only=True)
+        size = value.numel() * value.element_size()
+        if size <= TENSOR_CACHE_BYTES:
+            self._cache[info.file] = value.clone()
+            self._cached_bytes += size
+            while self._cached_bytes > TENSOR_CACHE_BYTES:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.numel() * old.element_size()
+        return value
 
     def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.step(step).names(kind):
@@ -248,6 +270,8 @@ class RecordWriter:
         self._staging = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}"
         self._staging.mkdir()
         self._steps: dict[int, StepRecord] = {}
+        self._written: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._written_bytes = 0
         self._done = False
 
     def step(self, step: int) -> StepRecord:
@@ -278,6 +302,12 @@ class RecordWriter:
         finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
         info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
         entries[name] = info
+        # The newest written tensors, within the cache budget, go to the finished Record's cache.
+        self._written[info.file] = data
+        self._written_bytes += data.numel() * data.element_size()
+        while self._written and self._written_bytes > TENSOR_CACHE_BYTES:
+            _, old = self._written.popitem(last=False)
+            self._written_bytes -= old.numel() * old.element_size()
         return info
 
     def finish(self, *, complete: bool = True) -> Record:
@@ -297,7 +327,10 @@ class RecordWriter:
             shutil.rmtree(self.path)
         os.replace(self._staging, self.path)
         self._done = True
-        return Record.load(self.path)
+        record = Record.load(self.path)
+        record._cache, record._cached_bytes = self._written, self._written_bytes
+        self._written, self._written_bytes = OrderedDict(), 0
+        return record
 
     def abort(self) -> None:
         """Discard the staging directory (nothing is published)."""
