@@ -396,6 +396,21 @@ def _structure_issues(diff: DeepDiff) -> list[StructureIssue]:
                 issue = StructureIssue("missing" if removed else "extra", step, kind, path[3])
             elif len(path) >= 5 and path[4] in ("shape", "dtype"):
                 issue = StructureIssue(path[4], step, kind, path[3], item.t1, item.t2)
+            elif len(path) == 3 and isinstance(item.t1, dict) and isinstance(item.t2, dict):
+                # DeepDiff reports a kind's whole table as changed when no name is left in
+                # common (every parameter renamed): spell it out entry by entry.
+                expanded = [StructureIssue("missing", step, kind, n) for n in item.t1 if n not in item.t2]
+                expanded += [StructureIssue("extra", step, kind, n) for n in item.t2 if n not in item.t1]
+                for n in (n for n in item.t1 if n in item.t2):
+                    for field_name in ("shape", "dtype"):
+                        if item.t1[n].get(field_name) != item.t2[n].get(field_name):
+                            expanded.append(StructureIssue(field_name, step, kind, n, item.t1[n].get(field_name), item.t2[n].get(field_name)))
+                for issue in expanded:
+                    key = (issue.category, issue.step, issue.kind, issue.name)
+                    if key not in seen:
+                        seen.add(key)
+                        issues.append(issue)
+                continue
             else:
                 issue = StructureIssue("other", step, kind, None, _brief(item.t1), _brief(item.t2))
             key = (issue.category, issue.step, issue.kind, issue.name)
