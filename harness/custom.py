@@ -84,8 +84,12 @@ class CustomRun:
                 rename_parameters(module, names)
         self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
         self.model = model
+        # The training RNG starts where the reference's does: from the case seed, after the
+        # model was built (building it drew the initial weights from the same generator).
+        torch.manual_seed(self.case.seed)
         if self.tracer is not None:
             self.tracer.describe(layout=self.layout, model=model)
+            self.tracer.log_random_ops(True)  # until the first before_step: the rng-desync check
         with self._harness_phase():
             self.recorder = RankRecorder(
                 self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
@@ -144,6 +148,8 @@ class CustomRun:
         """Collective: call just before ``optimizer.step()`` (records full gradients)."""
         rec = self._rec("before_step")
         self._step(step)
+        if self.tracer is not None:
+            self.tracer.log_random_ops(False)
         with self._harness_phase():
             rec.grads(step)
 

@@ -196,6 +196,7 @@ class Analysis:
         found += self._trace_checks(found)
         found += self._structure()
         found += self._probe_findings(found)
+        found += self._random_draws(found)
         found += self._gradients(found)
         found += self._replica_divergence(found)
         if not self.cmp.passed and not found:
@@ -470,6 +471,18 @@ class Analysis:
                     )
                 ]
         return []
+
+    # -- random draws ------------------------------------------------------------------------
+
+    def _random_draws(self, found: list[Diagnosis]) -> list[Diagnosis]:
+        """``rng-desync`` from the ranks' fingerprinted random ops (harness.tracing.random_ops),
+        for a run that failed its comparison and has no cause named yet."""
+        if self.cmp.passed or self.trace is None or any(d.code in _ROOT_CODES for d in found):
+            return []
+        from .tracing.random_ops import check_random_ops
+
+        draws = {rank: rt.random_ops for rank, rt in self.trace.ranks.items() if rt.random_ops}
+        return check_random_ops(draws, self.layouts) if draws else []
 
     # -- activation probe ----------------------------------------------------------------------
 

@@ -146,7 +146,13 @@ def _train_step(case: Case, strategy: Strategy, setup: Any, recorder: RankRecord
         tracer.begin_step(step)
         tracer.set_phase("train")
     batches = strategy.local_batches(case, setup, step)
-    losses = strategy.forward_backward(case, setup, batches)
+    if tracer is not None and step == 0:
+        tracer.log_random_ops(True)  # the first step's random draws, for the rng-desync check
+    try:
+        losses = strategy.forward_backward(case, setup, batches)
+    finally:
+        if tracer is not None:
+            tracer.log_random_ops(False)
     if len(losses) != len(batches):
         raise RunError(
             f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses "

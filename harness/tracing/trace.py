@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import hooks
+from .random_ops import RandomDraw, RandomOpLog
 from .collectives import CollectiveRecord, merge, record_bytes, renumber_p2p
 
 __all__ = [
@@ -94,6 +95,7 @@ class RankTrace:
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     complete: bool = True
+    random_ops: list[RandomDraw] = field(default_factory=list)  # the first step's, see random_ops
 
     @property
     def mesh_dims(self) -> list[str]:
@@ -130,6 +132,7 @@ class RankTrace:
             "collectives": [c.to_json() for c in self.collectives],
             "notes": self.notes,
             "complete": self.complete,
+            "random_ops": [d.to_json() for d in self.random_ops],
         }
 
     @classmethod
@@ -147,6 +150,7 @@ class RankTrace:
                 collectives=[CollectiveRecord.from_json(c) for c in data.get("collectives") or []],
                 notes=list(data.get("notes") or []),
                 complete=bool(data.get("complete", True)),
+                random_ops=[RandomDraw.from_json(d) for d in data.get("random_ops") or []],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"malformed rank trace ({type(exc).__name__}: {exc})") from None
@@ -365,6 +369,8 @@ class Tracer:
         self._params: dict[str, dict[str, Any]] = {}
         self._groups: dict[str, dict[str, Any]] = {}
         self._finished: RankTrace | None = None
+        self._random_log: RandomOpLog | None = None
+        self._random_open = False
         if not self._fr_capacity:
             self.notes.append(
                 "Flight Recorder is off (TORCH_FR_BUFFER_SIZE unset before the process group was "
@@ -461,6 +467,18 @@ class Tracer:
         self._boundaries.append((time.time_ns(), step))
         if self._phase == "setup":
             self.set_phase("train")
+
+    def log_random_ops(self, on: bool) -> None:
+        """Start (``on``) or stop fingerprinting the random ops this rank runs
+        (:mod:`harness.tracing.random_ops`); the harness logs the first training step."""
+        if on and not self._random_open:
+            self._random_log = self._random_log or RandomOpLog()
+            self._random_log.__enter__()
+            self._random_open = True
+        elif not on and self._random_open:
+            assert self._random_log is not None
+            self._random_log.__exit__(None, None, None)
+            self._random_open = False
 
     def set_phase(self, phase: str) -> None:
         """Name what the rank does from now on: "train" (the training's own ops), "harness"
@@ -561,6 +579,7 @@ class Tracer:
         """Local: read what is left and return this rank's trace (idempotent)."""
         if self._finished is not None:
             return self._finished
+        self.log_random_ops(False)
         self.flush()
         records = sorted(self._records, key=lambda r: r.t_ns)
         for i, r in enumerate(records):
@@ -593,6 +612,7 @@ class Tracer:
             collectives=records,
             notes=list(dict.fromkeys(self.notes)),
             complete=complete,
+            random_ops=list(self._random_log.draws) if self._random_log is not None else [],
         )
         if self in _ACTIVE:
             _ACTIVE.remove(self)
