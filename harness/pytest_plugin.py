@@ -47,24 +47,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text} s is not allowed; give a finite number of seconds > 0")
-    return value
+def _seconds(minimum_allowed: str) -> Any:
+    """An argparse type for a finite number of seconds, ``> 0`` or ``>= 0`` (0: off)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        ok = value > 0 if minimum_allowed == "> 0" else value >= 0
+        if not (ok and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(
+                f"{text} s is not allowed; give a finite number of seconds {minimum_allowed}"
+                + (" (0: off)" if minimum_allowed == ">= 0" else "")
+            )
+        return value
+
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text} s is not allowed; give a finite number of seconds >= 0 (0: off)")
-    return value
+_positive_float = _seconds("> 0")
+_non_negative_float = _seconds(">= 0")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -129,28 +129,20 @@ def _hang_diagnosis(outcome: RunOutcome) -> list[str]:
 def format_failure(outcome: RunOutcome) -> str:
     n = outcome.nproc
     lines: list[str] = []
-    if outcome.timed_out and outcome.stalled_s:
-        lines.append(
-            f"HANG: no rank still running made progress for {outcome.stalled_s:g} s (the stall window: "
-            "a rank blocked in a collective, sleeping or waiting uses no CPU), so the test was stopped "
-            f"before its {outcome.timeout_s:g} s deadline. Each rank's stack and last collectives were "
-            "collected, then the ranks' process trees were killed."
-        )
-        lines.extend(_hang_diagnosis(outcome))
-        for rank in range(n):
-            if rank in outcome.aborted:
-                lines.append(f"rank {rank}: {where(outcome.aborted[rank])}")
-            else:
-                lines.append(_rank_line(outcome, rank))
-        lines.append("")
-        lines.extend(_dump_details({**outcome.finished, **outcome.aborted}))
-        return "\n".join(lines)
     if outcome.timed_out:
-        lines.append(
-            f"TIMEOUT: the test did not finish on all {n} ranks within {outcome.timeout_s:g} s "
-            "(--dist-timeout, or timeout= on the distributed marker). Each rank's stack and last "
-            "collectives were collected, then the ranks' process trees were killed."
-        )
+        if outcome.stalled_s:
+            lines.append(
+                f"HANG: no rank still running made progress for {outcome.stalled_s:g} s (the stall window: "
+                "a rank blocked in a collective, sleeping or waiting uses no CPU), so the test was stopped "
+                f"before its {outcome.timeout_s:g} s deadline. Each rank's stack and last collectives were "
+                "collected, then the ranks' process trees were killed."
+            )
+        else:
+            lines.append(
+                f"TIMEOUT: the test did not finish on all {n} ranks within {outcome.timeout_s:g} s "
+                "(--dist-timeout, or timeout= on the distributed marker). Each rank's stack and last "
+                "collectives were collected, then the ranks' process trees were killed."
+            )
         lines.extend(_hang_diagnosis(outcome))
         for rank in range(n):
             if rank in outcome.aborted:
