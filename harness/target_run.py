@@ -201,11 +201,11 @@ def diagnose_target(
         report = _hang_report(resolved, world, steps, exc)
     except RanksFailed as exc:
         case = resolved.case if steps is None else resolved.case.replace(steps=steps)
-        own = _own_exception(exc.outcome)
+        raised = _own_exception(exc.outcome)
         # A rank's own exception (the user's code, or a check of the case) is the cause: the
         # others waiting in a collective are its consequence, not a missing collective.
-        diagnoses = [] if own else _failure_diagnoses(exc)
-        error = f"{own}\n\n{exc.report}" if own else exc.report
+        diagnoses = [] if raised else _failure_diagnoses(exc)
+        error = f"{raised}\n\n{exc.report}" if raised else exc.report
         report = build_report(target=resolved, case=case, nproc=world, diagnoses=diagnoses,
                               error=error, elapsed_s=time.monotonic() - started)
     finally:
