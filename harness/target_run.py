@@ -198,16 +198,18 @@ def diagnose_target(
         if not isinstance(report, DiagnosisReport):
             raise RanksFailed(f"rank 0 returned {type(report).__name__}, not a report", result.outcome)  # type: ignore[arg-type]
     except RanksHung as exc:
-        report = _hang_report(resolved, world, steps, exc)
+        report = _hang_report(resolved, world, steps, exc, work)
     except RanksFailed as exc:
         case = resolved.case if steps is None else resolved.case.replace(steps=steps)
+        record, trace, recorded = _left_behind(work)
         raised = _own_exception(exc.outcome)
         # A rank's own exception (the user's code, or a check of the case) is the cause: the
         # others waiting in a collective are its consequence, not a missing collective.
         diagnoses = [] if raised else _failure_diagnoses(exc)
         error = f"{raised}\n\n{exc.report}" if raised else exc.report
-        report = build_report(target=resolved, case=case, nproc=world, diagnoses=diagnoses,
-                              error=error, elapsed_s=time.monotonic() - started)
+        report = build_report(target=resolved, case=case, nproc=world, diagnoses=diagnoses, actual=record, trace=trace,
+                              error=error + _recorded_lines(recorded), elapsed_s=time.monotonic() - started)
+        report.recorded = recorded
     finally:
         stop.set()
         tail.join(timeout=1)
@@ -292,6 +294,57 @@ def _hang_diagnoses(outcome: Any) -> list[Diagnosis]:
     return out
 
 
-def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung) -> DiagnosisReport:
+def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung, work: str) -> DiagnosisReport:
     case = target.case if steps is None else target.case.replace(steps=steps)
-    return build_report(target=target, case=case, nproc=world, diagnoses=_hang_diagnoses(exc.outcome), hang=True, error=exc.report)
+    record, trace, recorded = _left_behind(work)
+    report = build_report(target=target, case=case, nproc=world, diagnoses=_hang_diagnoses(exc.outcome), hang=True,
+                          actual=record, trace=trace, error=exc.report + _recorded_lines(recorded))
+    report.recorded = recorded
+    return report
+
+
+def _left_behind(work: str) -> tuple[Any, Any, dict[str, Any]]:
+    """What a failed or hung run left in ``work``: the parallel record it published incomplete
+    (steps done before the failure), the ranks' trace parts, and record folders still being
+    written when the ranks were killed (their steps never published). Returns (record or None,
+    trace or None, a JSON-able summary naming each folder)."""
+    from reference.record import Record, RecordError
+
+    from .diagnose import load_trace
+
+    records, parts, unfinished = [], [], []
+    chosen = trace = None
+    for entry in sorted(Path(work).iterdir()) if os.path.isdir(work) else []:
+        if not entry.is_dir():
+            continue
+        if ".partial-" in entry.name:
+            unfinished.append(str(entry))
+            if (entry / "meta.json").is_file() and chosen is None:  # checkpointed steps of a killed run
+                try:
+                    chosen = Record.load(entry)
+                except RecordError:
+                    pass
+        elif entry.name.endswith(".trace"):
+            parts.append(str(entry))
+        elif (entry / "meta.json").is_file() and not entry.name.endswith(".replay"):
+            try:
+                record = Record.load(entry)
+            except RecordError:
+                continue
+            records.append({"path": str(entry), "complete": record.complete, "steps": record.num_steps})
+            chosen = chosen or record
+    if chosen is not None and ".partial-" not in Path(chosen.path).name:
+        trace = load_trace(str(Path(str(chosen.path) + ".trace"))) or load_trace(str(Path(chosen.path) / "trace.json"))
+    if trace is None and parts:
+        trace = load_trace(parts[0])
+    recorded = {"records": records, "trace_parts": parts, "unfinished": unfinished} if (records or parts or unfinished) else {}
+    return chosen, trace, recorded
+
+
+def _recorded_lines(recorded: dict[str, Any]) -> str:
+    lines = [f"recorded before the failure: {r['path']} ({r['steps']} steps, {'complete' if r['complete'] else 'incomplete'})"
+             for r in recorded.get("records", [])]
+    lines += [f"trace parts of the ranks: {p}" for p in recorded.get("trace_parts", [])]
+    lines += [f"unfinished record (the ranks were stopped while writing; steps done so far are in it): {p}"
+              for p in recorded.get("unfinished", [])]
+    return ("\n\n" + "\n".join(lines)) if lines else ""

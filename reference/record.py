@@ -310,6 +310,17 @@ class RecordWriter:
             self._written_bytes -= old.numel() * old.element_size()
         return info
 
+    def checkpoint(self) -> None:
+        """Write the steps so far as ``meta.json`` into the staging folder (``complete:
+        false``), so a run killed before :meth:`finish` still leaves a readable record there."""
+        if self._done:
+            return
+        steps = [self._steps[i] for i in sorted(self._steps)]
+        meta = {**self.meta, "complete": False, "steps": [s.to_json() for s in steps]}
+        tmp = self._staging / "meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1, default=_json_default))
+        os.replace(tmp, self._staging / "meta.json")
+
     def finish(self, *, complete: bool = True) -> Record:
         """Write ``meta.json`` and move the record into place."""
         if self._done:

@@ -243,6 +243,14 @@ def test_a_users_own_error_is_the_verdict_error_never_a_code(rank_runner, refere
     assert re.match(lead, report.verdict.error), report.verdict.error.splitlines()[0]
     terminal = format_terminal(report)
     assert terminal.splitlines()[0].startswith("ERROR") and re.search(lead, terminal.splitlines()[1])
+    if name == "raises_on_rank_1":
+        # Nothing recorded before the failure is lost: step 0's loss and the ranks' collectives
+        # are in the report, and the folders they came from are named.
+        assert report.losses["parallel"] and len(report.losses["parallel"]) == 1, report.losses
+        assert report.collectives and report.collectives["events"]
+        assert report.recorded["trace_parts"] and report.recorded["unfinished"]
+        assert "trace parts: " in terminal and "unfinished record: " in terminal
+        assert report.to_json()["recorded"] == report.recorded
 
 
 @pytest.mark.parametrize(

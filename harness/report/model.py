@@ -21,7 +21,9 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
       "collectives": {"events": {"<rank>": [{"seq", "op", "group", "group_ranks", "shapes", "dtypes",
                       "reduce_op", "peer", "call_site", "step", "start_us", "end_us"}]},
                       "summary": [{"step", "group", "op", "count", "bytes"}]} | null,
-      "timing": {"elapsed_s": float}
+      "timing": {"elapsed_s": float},
+      "recorded": {"records": [{"path", "complete", "steps"}], "trace_parts": [path],
+                   "unfinished": [path]}   # a failed or hung run: what it left, and where
     }
 """
 
@@ -65,6 +67,7 @@ class DiagnosisReport:
     collectives: dict[str, Any] | None = None
     timing: dict[str, Any] = field(default_factory=dict)
     workdir: str = ""
+    recorded: dict[str, Any] = field(default_factory=dict)  # what a failed run left on disk
 
     @property
     def diagnoses(self) -> list[Diagnosis]:
@@ -93,6 +96,7 @@ class DiagnosisReport:
                 "mesh": self.mesh,
                 "collectives": self.collectives,
                 "timing": self.timing,
+                "recorded": self.recorded,
             }
         )
 

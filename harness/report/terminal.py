@@ -50,6 +50,11 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         lines.append(f"  first divergence at step {div['step']}: {shown}")
     if v.verdict == "error" and v.error:
         lines.append(f"  error: {v.error.splitlines()[0]}")
+    recorded = getattr(report, "recorded", None) or {}
+    for r in recorded.get("records", []):
+        lines.append(f"  recorded: {r['path']} ({r['steps']} steps, {'complete' if r['complete'] else 'incomplete'})")
+    lines += [f"  trace parts: {p}" for p in recorded.get("trace_parts", [])]
+    lines += [f"  unfinished record: {p} (steps done before the ranks were stopped)" for p in recorded.get("unfinished", [])]
     if v.error and (v.verdict in ("error", "hang") or verbose):
         text = v.error if verbose else "\n".join(v.error.splitlines()[:40])
         lines += ["  launcher report:"] + ["    " + line for line in text.splitlines()]
