@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from reference.case import Batch, Case, collate
+from reference.case import Batch, Case, collate, map_tensors
 from reference.schedule import replica_micro_batch_indices
 
 from .gather import annotate_shard, rename_parameters
@@ -59,6 +59,7 @@ class CustomRun:
         self.recorder: RankRecorder | None = None
         self.layout: RankLayout | None = None
         self.model: Any = None
+        self.probe: Any = None  # harness.probe.ActivationProbe once watch() was called
 
     @property
     def steps(self) -> int:
@@ -84,6 +85,12 @@ class CustomRun:
                 rename_parameters(module, names)
         self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
         self.model = model
+        # The activation probe, as for bundled strategies: module outputs of the first forward
+        # (tp-partial-sum, dropout masks), collected after the run.
+        from .probe import ActivationProbe
+
+        self.probe = ActivationProbe()
+        self.probe.attach([model] if isinstance(model, nn.Module) else list(model))
         # The training RNG starts where the reference's does: from the case seed, after the
         # model was built (building it drew the initial weights from the same generator).
         torch.manual_seed(self.case.seed)
@@ -117,10 +124,14 @@ class CustomRun:
         over the layout's data-parallel replicas (use your own loader if you prefer; then pass
         its sample ids to :meth:`loss`)."""
         layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
-        return [
+        batches = [
             collate(self.case.dataset, idx, device=device or self.ctx.device, dtype=self.case.dtype)
             for idx in replica_micro_batch_indices(self.case, step, layout.dp_rank, layout.dp_size)
         ]
+        if step == 0 and batches and self.probe is not None and self.probe.input is None:
+            # The probe replays the reference on the input of the first forward, this one.
+            self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), batches[0].inputs)
+        return batches
 
     def loss_weight(self, batch: Batch | int, *, grad_reduction: str = "mean") -> float:
         """The factor on a micro-batch's loss (as ``CASE.loss_fn`` returns it: see
@@ -150,6 +161,8 @@ class CustomRun:
         self._step(step)
         if self.tracer is not None:
             self.tracer.log_random_ops(False)
+        if self.probe is not None:
+            self.probe.detach()
         with self._harness_phase():
             rec.grads(step)
 

@@ -164,8 +164,10 @@ class ProbeData:
     ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
-def collect_probe(strategy: ProbedStrategy, dst: int = 0) -> ProbeData | None:
-    """Collective: send every rank's captures to ``dst`` (returns them there, None elsewhere)."""
+def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
+    """Collective: send every rank's captures to ``dst`` (returns them there, None elsewhere).
+    ``strategy``: a :class:`ProbedStrategy`, or anything with its ``layout`` and ``probe`` (a
+    custom loop's ``CustomRun``)."""
     layout = strategy.layout
     mine = {
         "rank": dist.get_rank() if dist.is_initialized() else 0,

@@ -88,6 +88,7 @@ def diagnose_on_rank(
 
     from .custom import CustomRun
     from .rank_diagnosis import diagnosis_report, run_and_diagnose
+    from .probe import collect_probe
     from .run import compare_to_reference, trace_parts_dir
 
     started = time.monotonic()
@@ -130,6 +131,7 @@ def diagnose_on_rank(
         raise
     record = run.finish()
     run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": "custom"}) if tracer is not None else None
+    probe = collect_probe(run, dst) if run.probe is not None else None  # collective
     if not is_dst:
         return None
     assert record is not None
@@ -139,7 +141,7 @@ def diagnose_on_rank(
     trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE)) if run_trace is not None else None
     return diagnosis_report(
         target, case, ctx.world_size, comparison=compared, record_path=str(record.path), trace_path=trace_path,
-        cache=cache, elapsed_s=time.monotonic() - started,
+        cache=cache, probe=probe, elapsed_s=time.monotonic() - started,
     )
 
 

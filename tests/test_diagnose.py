@@ -373,3 +373,19 @@ def test_functional_dropout_desync_in_hand_written_tp_is_rng_desync(rank_runner,
     assert "rank 1 drew rand [1] float32 at " in bug.verdict.diagnoses[0].summary and "tp_dropout_loop.py:65 in train" in bug.verdict.diagnoses[0].summary
     ok = diagnose_target(f"{path}:correct", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok")
     assert ok.verdict.verdict == "pass", ok.verdict.to_dict()
+
+
+TP_ROW_PARTIAL = '"""Hand-written TP on an MLP whose row-parallel layer returns its partial sums (bug) or\nall-reduces them (correct)."""\nimport torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn\nfrom cases.catalog import mlp_case\nfrom harness.parallel_dims import ParallelDims\n\nCASE = mlp_case("sgd", steps=2)\nNPROC = 2\n\n\nclass _ReduceForward(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n        x = x.clone()\n        dist.all_reduce(x)\n        return x\n\n    @staticmethod\n    def backward(ctx, g):\n        return g\n\n\nclass RowParallel(nn.Module):\n    def __init__(self, weight, bias, reduce):\n        super().__init__()\n        self.weight, self.bias, self.reduce = nn.Parameter(weight), bias, reduce\n\n    def forward(self, h):\n        part = F.linear(h, self.weight)\n        return (_ReduceForward.apply(part) if self.reduce else part) + self.bias  # BUG when not reduce\n\n\nclass Sharded(nn.Module):\n    def __init__(self, full, rank, world, reduce):\n        super().__init__()\n        n = full.fc1.out_features // world\n        self.fc1 = nn.Linear(full.fc1.in_features, n)\n        with torch.no_grad():\n            self.fc1.weight.copy_(full.fc1.weight[rank * n:(rank + 1) * n]); self.fc1.bias.copy_(full.fc1.bias[rank * n:(rank + 1) * n])\n        self.fc2 = RowParallel(full.fc2.weight[:, rank * n:(rank + 1) * n].detach().clone(), full.fc2.bias, reduce)\n\n    def forward(self, x):\n        return self.fc2(torch.relu(self.fc1(x)))\n\n\ndef train(ctx, run, reduce=False):\n    full = CASE.build_model(ctx.device)\n    model = Sharded(full, ctx.rank, ctx.world_size, reduce)\n    g = dist.group.WORLD\n    run.shard(model.fc1.weight, 0, group=g); run.shard(model.fc1.bias, 0, group=g); run.shard(model.fc2.weight, 1, group=g)\n    optimizer = CASE.build_optimizer(model.parameters())\n    run.watch(model, optimizer, ParallelDims(tp=ctx.world_size).layout(ctx.rank))\n    for step in range(run.steps):\n        for batch in run.batches(step):\n            loss = CASE.forward_loss(model, batch)\n            (loss * run.loss_weight(batch)).backward()\n            run.loss(step, loss if run.layout.holds_loss else None, batch.ids)\n        run.before_step(step)\n        optimizer.step()\n        run.after_step(step)\n        optimizer.zero_grad()\n\n\ndef correct(ctx, run):\n    train(ctx, run, reduce=True)\n'
+
+
+def test_a_hand_written_row_parallel_without_its_all_reduce_is_tp_partial_sum(rank_runner, reference_cache, tmp_path) -> None:
+    """The activation probe runs on a custom loop's watched model as on a bundled strategy:
+    a hand-written row-parallel module returning its partial sums is ``tp-partial-sum``;
+    with its all-reduce the same loop passes."""
+    path = tmp_path / "tp_row_loop.py"
+    path.write_text(TP_ROW_PARTIAL)
+    bug = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "bug")
+    assert bug.codes == ["tp-partial-sum"], bug.verdict.to_dict()
+    assert bug.verdict.diagnoses[0].evidence["module"] == "fc2"
+    ok = diagnose_target(f"{path}:correct", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok")
+    assert ok.verdict.verdict == "pass", ok.verdict.to_dict()
