@@ -162,6 +162,12 @@ def _train_step(case: Case, strategy: Strategy, setup: Any, recorder: RankRecord
         recorder.micro_batch(step, loss, batch.ids)
         if tracer is not None:
             tracer.record_samples(step, batch.ids)
+    if case.grad_clip is not None:
+        clip = getattr(strategy, "clip_gradients", None)
+        if clip is None:
+            raise RunError(f"strategy {strategy.name!r} has no clip_gradients(case, setup), but case "
+                           f"{case.name!r} sets grad_clip={case.grad_clip}")
+        clip(case, setup)
     with harness_phase():
         recorder.grads(step)
     strategy.optimizer_step(case, setup)

@@ -99,6 +99,13 @@ class StrategyBase:
             for indices in replica_micro_batch_indices(case, step, layout.dp_rank, layout.dp_size)
         ]
 
+    def clip_gradients(self, case: Case, setup: RankSetup) -> None:
+        """Clip to ``case.grad_clip`` before the gradients are recorded (no-op without it);
+        :meth:`reference.case.Case.clip_gradients` reduces DTensor norms over their shards."""
+        if case.grad_clip is not None:
+            models = [setup.model] if isinstance(setup.model, nn.Module) else list(setup.model)
+            case.clip_gradients(p for m in models for p in m.parameters())
+
     def optimizer_step(self, case: Case, setup: RankSetup) -> None:
         setup.optimizer.step()
 

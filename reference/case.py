@@ -240,6 +240,10 @@ class Case:
     shuffle: bool = True
     # What loss_fn returns per micro-batch: "mean" or "sum" over its samples.
     loss_reduction: str = "mean"
+    # Gradient clipping before each optimizer step: the largest total 2-norm of all gradients
+    # (torch.nn.utils.clip_grad_norm_), None for none. The reference clips the same way, and
+    # the recorded gradients are the clipped ones the optimizer uses.
+    grad_clip: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -263,6 +267,9 @@ class Case:
                 raise CaseError(f"{where}: {field_name} must be callable")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise CaseError(f"{where}: loss_fn must be callable, or None when the model returns its own loss")
+        if self.grad_clip is not None and (isinstance(self.grad_clip, bool) or not isinstance(self.grad_clip, (int, float))
+                                           or not (self.grad_clip > 0 and math.isfinite(self.grad_clip))):
+            raise CaseError(f"{where}: grad_clip must be a finite max norm > 0 or None, got {self.grad_clip!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise CaseError(f"{where}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
         if not hasattr(self.dataset, "__len__") or not hasattr(self.dataset, "__getitem__"):
@@ -346,6 +353,31 @@ class Case:
             )
         return loss
 
+    def clip_gradients(self, parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """Clip the gradients of ``parameters`` to ``grad_clip`` (their total 2-norm, as
+        ``torch.nn.utils.clip_grad_norm_``; DTensor gradients of FSDP2 / TP included, with plain
+        replicated ones beside them) and return the norm before clipping; None without
+        ``grad_clip``. Call it on every rank between backward and the optimizer step, before
+        the harness records the gradients (custom loops: before ``run.before_step``)."""
+        if self.grad_clip is None:
+            return None
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return None
+        # clip_grad_norm_'s arithmetic, but per tensor: a tensor-parallel model mixes DTensor
+        # gradients (whose norm is reduced over their shards) with plain replicated ones, which
+        # clip_grad_norm_'s foreach kernels refuse.
+        norms = []
+        for g in grads:
+            n = torch.linalg.vector_norm(g.detach().float(), 2.0)
+            norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = min(1.0, float(self.grad_clip / (total + 1e-6)))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
     def forward_loss(self, model: Any, batch: Batch) -> torch.Tensor:
         """The micro-batch's loss (unweighted, as ``loss_fn`` returns it) from ``model``."""
         return self.compute_loss(self.call_model(model, batch.inputs), batch.targets)
@@ -359,6 +391,7 @@ class Case:
             "dataset_len": len(self.dataset),
             "loss_fn": callable_name(self.loss_fn) if self.loss_fn is not None else "the model's own output loss",
             "loss_reduction": self.loss_reduction,
+            "grad_clip": self.grad_clip,
             "optimizer_factory": callable_name(self.optimizer_factory),
             "global_batch_size": self.global_batch_size,
             "micro_batches": self.micro_batches,

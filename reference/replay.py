@@ -113,6 +113,7 @@ def replay_reference(
         if step > 0 and (lacking := _load_params(training, source, step - 1)):
             rec.extra["params_not_in_source"] = lacking
         training.forward_backward(step, rec)
+        case.clip_gradients(training.model.parameters())  # the recorded gradients are the clipped ones
         training.record_grads(step)
         if not apply_source_grads:
             training.optimizer.zero_grad(set_to_none=True)

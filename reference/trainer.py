@@ -178,6 +178,7 @@ class _Training:
     def step(self, step: int) -> None:
         rec = self.writer.step(step)
         self.forward_backward(step, rec)
+        self.case.clip_gradients(self.model.parameters())
         self.record_grads(step)
         self.optimizer.step()
         self.record_update(step, rec)

@@ -91,3 +91,19 @@ def test_a_pure_noise_tensor_does_not_blind_its_siblings() -> None:
     assert tol.atol < 1e-5, tol  # the median, not the key bias's relative noise of 1.0
     assert policy.for_tensor(0, "grad", "key_bias", torch.float32, 1e-9).atol >= 4e-9  # its own noise still covered
     assert "no reduction noise" in policy.for_tensor(0, "param", "a", torch.float32, 1.0).reason
+
+
+def test_clipping_is_part_of_the_case_and_of_the_replay(tmp_path) -> None:
+    """With grad_clip the reference clips before the optimizer step and records the clipped
+    gradients; the replay does the same, so it still reproduces the reference exactly."""
+    case = mlp_case("sgd").replace(name="mlp-sgd-clip", grad_clip=0.05)
+    ref = cached_reference(case, cache=tmp_path / "c")
+    norm = torch.stack([ref.tensor(0, "grad", n).double().norm() for n in ref.step(0).names("grad")]).norm()
+    assert norm == pytest.approx(0.05, rel=1e-5)  # the recorded gradients are the clipped ones
+    replay = replay_reference(case, ref, tmp_path / "replay")
+    for step in range(ref.num_steps):
+        for kind in KINDS:
+            for name in ref.step(step).names(kind):
+                assert torch.equal(replay.tensor(step, kind, name), ref.tensor(step, kind, name)), (step, kind, name)
+    with pytest.raises(Exception, match="grad_clip must be a finite max norm > 0 or None"):
+        case.replace(grad_clip=-1.0)

@@ -207,3 +207,31 @@ def test_the_loss_reduction_convention_is_a_field(dist_ctx, tmp_path, reference_
         codes = [run.report.verdict.codes]
     torch.distributed.broadcast_object_list(codes, src=0)
     assert codes[0] == ["grad-not-averaged"]
+
+
+class DDPForgetsToClip(DDPStrategy):
+    """The case clips gradients to a total norm; this DDP never does."""
+
+    name = "ddp-no-clip"
+
+    def clip_gradients(self, case, setup) -> None:
+        pass  # BUG: the optimizer sees unclipped gradients
+
+
+@pytest.mark.distributed(nproc=2)
+@pytest.mark.parametrize("strategy", [DDPStrategy(), FSDPStrategy(), TensorParallelStrategy()], ids=["ddp", "fsdp", "tp"])
+def test_gradient_clipping_matches_the_reference(dist_ctx, tmp_path, reference_cache, strategy) -> None:
+    """Case.grad_clip: the strategy clips (clip_grad_norm_ over DTensor shards included) before
+    the gradients are recorded, the reference clips the same way."""
+    case = transformer_case(steps=2).replace(name="transformer-clip", grad_clip=0.05)
+    result = run_strategy(case, strategy, dist_ctx, workdir=tmp_path, cache=reference_cache)
+    assert result.passed, result.summary()
+
+
+@pytest.mark.distributed(nproc=2)
+def test_a_strategy_that_does_not_clip_is_caught(dist_ctx, tmp_path, reference_cache) -> None:
+    case = transformer_case(steps=1).replace(name="transformer-clip", grad_clip=0.05)
+    result = run_strategy(case, DDPForgetsToClip(), dist_ctx, workdir=tmp_path, cache=reference_cache)
+    assert not result.passed
+    failed = {t.kind for t in result.comparison.failures()}
+    assert "grad" in failed, result.summary()

@@ -180,6 +180,11 @@ class PipelineStrategy(StrategyBase):
 
     def check_case(self, case: Case, dims: ParallelDims) -> None:
         """Raise :class:`ParallelConfigError` for a case this pipeline cannot run."""
+        if case.grad_clip is not None:
+            raise CaseError(
+                f"{self.name}: case {case.name!r} sets grad_clip={case.grad_clip}, but each stage holds only part "
+                "of the gradients and this strategy does not reduce their norm across stages; clip in a custom loop"
+            )
         if case.loss_fn is None or case.loss_reduction != "mean":
             raise CaseError(
                 f"{self.name}: a pipeline computes the loss on its last stage with the case's loss_fn "
