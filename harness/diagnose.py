@@ -25,6 +25,7 @@ How each pattern is recognised (evidence is measured, never assumed):
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -163,31 +164,26 @@ class Analysis:
         """The entries of ``mismatched`` (name -> groups of ranks that agree) where two ranks in
         different groups are different data-parallel replicas at the same position otherwise
         (same non-dp mesh coordinates and pipeline stages): evidence that replicas, not the
-        ranks of one replica, disagree."""
-        by_rank = {int(r.get("rank", i)): r for i, r in enumerate(self.layouts)}
+        ranks of one replica, disagree. A rank without a recorded layout counts as a replica."""
+        from .tracing.trace import is_dp_dim
 
-        def position(rank: int) -> tuple[Any, ...] | None:
-            layout = by_rank.get(rank)
-            if layout is None:
-                return None
-            from .tracing.trace import is_dp_dim
+        position = {
+            int(r.get("rank", i)): (
+                int(r.get("dp_rank", 0)),
+                tuple(sorted((k, v) for k, v in (r.get("mesh") or {}).items() if not is_dp_dim(k))),
+                tuple(r.get("stages") or ()),
+            )
+            for i, r in enumerate(self.layouts)
+        }
 
-            mesh = tuple(sorted((k, v) for k, v in (layout.get("mesh") or {}).items() if not is_dp_dim(k)))
-            return int(layout.get("dp_rank", 0)), mesh, tuple(layout.get("stages") or ())
+        def replicas(a: int, b: int) -> bool:
+            pa, pb = position.get(a), position.get(b)
+            return pa is None or pb is None or (pa[0] != pb[0] and pa[1:] == pb[1:])
 
-        out: dict[str, list[list[int]]] = {}
-        for name, groups in mismatched.items():
-            found = False
-            for i, gi in enumerate(groups):
-                for gj in groups[i + 1:]:
-                    for a in gi:
-                        for b in gj:
-                            pa, pb = position(a), position(b)
-                            if pa is None or pb is None or (pa[0] != pb[0] and pa[1:] == pb[1:]):
-                                found = True
-            if found:
-                out[name] = groups
-        return out
+        return {
+            name: groups for name, groups in mismatched.items()
+            if any(replicas(a, b) for gi, gj in itertools.combinations(groups, 2) for a in gi for b in gj)
+        }
 
     # -- entry -------------------------------------------------------------------------------
 

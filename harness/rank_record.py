@@ -264,9 +264,9 @@ class RankRecorder:
         counted = sum(n for _, n in everything)
         rec.loss = self.case.mean_loss(self.case.combine_losses(everything), counted) if counted else None
         rec.param_groups = _merge_param_groups([r["param_groups"] for r in everyone])
-        self.writer.checkpoint()  # a run killed later still leaves these steps readable
         if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
             rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}
+        self.writer.checkpoint()  # a run killed later still leaves these steps readable
 
 
 def _merge_param_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -210,8 +210,7 @@ def diagnose_target(
         diagnoses = [] if raised else _failure_diagnoses(exc)
         error = f"{raised}\n\n{exc.report}" if raised else exc.report
         report = build_report(target=resolved, case=case, nproc=world, diagnoses=diagnoses, actual=record, trace=trace,
-                              error=error + _recorded_lines(recorded), elapsed_s=time.monotonic() - started)
-        report.recorded = recorded
+                              error=error + _recorded_lines(recorded), elapsed_s=time.monotonic() - started, recorded=recorded)
     finally:
         stop.set()
         tail.join(timeout=1)
@@ -299,10 +298,8 @@ def _hang_diagnoses(outcome: Any) -> list[Diagnosis]:
 def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung, work: str) -> DiagnosisReport:
     case = target.case if steps is None else target.case.replace(steps=steps)
     record, trace, recorded = _left_behind(work)
-    report = build_report(target=target, case=case, nproc=world, diagnoses=_hang_diagnoses(exc.outcome), hang=True,
-                          actual=record, trace=trace, error=exc.report + _recorded_lines(recorded))
-    report.recorded = recorded
-    return report
+    return build_report(target=target, case=case, nproc=world, diagnoses=_hang_diagnoses(exc.outcome), hang=True,
+                        actual=record, trace=trace, error=exc.report + _recorded_lines(recorded), recorded=recorded)
 
 
 def _left_behind(work: str) -> tuple[Any, Any, dict[str, Any]]:

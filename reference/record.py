@@ -161,6 +161,30 @@ def _file_name(name: str) -> str:
 TENSOR_CACHE_BYTES = 64 * 2**20
 
 
+class _TensorCache:
+    """The most recently used tensors of one record, by file, up to ``TENSOR_CACHE_BYTES``."""
+
+    def __init__(self) -> None:
+        self._tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, file: str) -> torch.Tensor | None:
+        tensor = self._tensors.get(file)
+        if tensor is not None:
+            self._tensors.move_to_end(file)
+        return tensor
+
+    def put(self, file: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if size > TENSOR_CACHE_BYTES:
+            return
+        self._tensors[file] = tensor
+        self._bytes += size
+        while self._bytes > TENSOR_CACHE_BYTES:
+            _, old = self._tensors.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
+
+
 class Record:
     """A finished record on disk. Tensor values are loaded on demand, one at a time (the most
     recent ones, up to ``TENSOR_CACHE_BYTES``, kept for the next reader)."""
@@ -169,8 +193,7 @@ class Record:
         self.path = path
         self.meta = meta
         self.steps = steps
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._cached_bytes = 0
+        self._cache = _TensorCache()
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -229,16 +252,9 @@ class Record:
         info = self.info(step, kind, name)
         cached = self._cache.get(info.file)
         if cached is not None:
-            self._cache.move_to_end(info.file)
             return cached.clone()
         value = torch.load(self.path / info.file, map_location="cpu", weights_only=True)
-        size = value.numel() * value.element_size()
-        if size <= TENSOR_CACHE_BYTES:
-            self._cache[info.file] = value.clone()
-            self._cached_bytes += size
-            while self._cached_bytes > TENSOR_CACHE_BYTES:
-                _, old = self._cache.popitem(last=False)
-                self._cached_bytes -= old.numel() * old.element_size()
+        self._cache.put(info.file, value.clone())
         return value
 
     def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -270,8 +286,7 @@ class RecordWriter:
         self._staging = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}"
         self._staging.mkdir()
         self._steps: dict[int, StepRecord] = {}
-        self._written: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._written_bytes = 0
+        self._written = _TensorCache()  # the newest written tensors, for the finished Record
         self._done = False
 
     def step(self, step: int) -> StepRecord:
@@ -302,12 +317,7 @@ class RecordWriter:
         finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
         info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
         entries[name] = info
-        # The newest written tensors, within the cache budget, go to the finished Record's cache.
-        self._written[info.file] = data
-        self._written_bytes += data.numel() * data.element_size()
-        while self._written and self._written_bytes > TENSOR_CACHE_BYTES:
-            _, old = self._written.popitem(last=False)
-            self._written_bytes -= old.numel() * old.element_size()
+        self._written.put(info.file, data)
         return info
 
     def checkpoint(self) -> None:
@@ -339,8 +349,7 @@ class RecordWriter:
         os.replace(self._staging, self.path)
         self._done = True
         record = Record.load(self.path)
-        record._cache, record._cached_bytes = self._written, self._written_bytes
-        self._written, self._written_bytes = OrderedDict(), 0
+        record._cache, self._written = self._written, _TensorCache()
         return record
 
     def abort(self) -> None:

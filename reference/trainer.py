@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .case import Case, CaseError, cast_floating, check_dataset, collate, map_tensors
+from .case import Case, CaseError, cast_floating, check_dataset, collate, to_batch_values
 from .record import (
     Record,
     RecordWriter,
@@ -224,4 +224,4 @@ class _Training:
 
     def _cast(self, value: Any) -> Any:
         # Inputs are rounded to the case dtype first, so an upcast run starts from the same values.
-        return map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, value)
+        return to_batch_values(value, dtype=self.dtype)

@@ -132,6 +132,7 @@ def build_report(
     error: str = "",
     hang: bool = False,
     elapsed_s: float | None = None,
+    recorded: dict[str, Any] | None = None,
 ) -> DiagnosisReport:
     passed = bool(comparison is not None and comparison.passed)
     verdict = verdict_for(diagnoses or [], passed=passed, hang=hang, error=error)
@@ -173,4 +174,5 @@ def build_report(
         mesh=list(actual.meta.get("ranks", [])) if actual is not None else [],
         collectives=_collectives(trace),
         timing={"elapsed_s": elapsed_s} if elapsed_s is not None else {},
+        recorded=dict(recorded or {}),
     )

@@ -453,9 +453,9 @@ def _extra_collective(
     positions: Mapping[int, Mapping[int, int]] | None,
 ) -> Diagnosis | None:
     """At the first position ``seq`` where a group's ranks differ, whether some ranks issued
-    collectives the others never did: the sequences from there are aligned (op, shapes, dtypes,
-    reduce op and call site, :class:`difflib.SequenceMatcher`) rather than compared position by
-    position, so the rank that issued the extra collective and its line are named, not the
+    collectives the others never did: the ranks' whole sequences on the group are aligned (op,
+    shapes, dtypes, reduce op and call site, :class:`difflib.SequenceMatcher`) rather than
+    compared position by position, so the rank that issued the extra collective and its line are named, not the
     collective that happens to sit one position later. A collective the harness issued itself
     (its ``phase`` is "harness") is never the extra one: where some ranks are in the harness's
     own collective and others in theirs, theirs is the extra."""
@@ -472,9 +472,9 @@ def _extra_collective(
     base = max(full, key=lambda m: len(full[m]))
     for other in (m for m in members if m != base and full.get(m)):
         a, b = full[base], full[other]
-        opcodes = [op for op in difflib.SequenceMatcher(
+        opcodes = difflib.SequenceMatcher(
             None, [_aligned_signature(r) for r in a], [_aligned_signature(r) for r in b], autojunk=False
-        ).get_opcodes()]
+        ).get_opcodes()
         first = next((i for i, op in enumerate(opcodes) if op[0] != "equal"), None)
         if first is None:
             continue
