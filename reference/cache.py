@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import record as _record
-from .case import Case, callable_name
+from .case import Case, _sample_at, callable_name, tensors_in
 from .record import Record, RecordError
 from .schedule import global_batch_indices
 from .trainer import ReferenceVariant, train_reference
@@ -98,11 +98,10 @@ def case_fingerprint(
     add("loss", _callable_key(case.loss_fn))
     for step in range(case.steps):
         for index in global_batch_indices(case, step):
-            sample = case.dataset[index]
-            add("sample", f"{index}:{getattr(sample, 'id', None)}")
+            sample = _sample_at(case.dataset, index)  # Sample, or a dict item with an "id"
+            add("sample", f"{index}:{sample.id}")
             for part in ("input", "target"):
-                value = getattr(sample, part, None)
-                if isinstance(value, torch.Tensor):
+                for value in tensors_in(getattr(sample, part)):  # a tensor, or dicts / tuples of them
                     add(part, _tensor_bytes(value))
     return h.hexdigest()
 

@@ -262,3 +262,25 @@ def test_build_model_casts_floating_tensors_only_and_the_determinism_check_sees_
 
     with pytest.raises(CaseError, match="not deterministic.*noise"):
         mlp_case().replace(model_factory=Unseeded).check_model_factory()
+
+
+def test_the_cache_key_covers_dict_samples() -> None:
+    """A dataset of dicts ({"id", "input_ids", ...}) is part of the reference's fingerprint like
+    a dataset of Samples: other token values must not load the old cached reference."""
+    import torch
+
+    from reference.cache import case_fingerprint
+
+    class Dicts:
+        def __init__(self, fill: int):
+            self.fill = fill
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"id": 100 + i, "x": torch.full((3,), float(i + self.fill)), "mask": torch.ones(3, dtype=torch.long)}
+
+    case = mlp_case(global_batch_size=4, steps=1)
+    assert case_fingerprint(case.replace(dataset=Dicts(0))) == case_fingerprint(case.replace(dataset=Dicts(0)))
+    assert case_fingerprint(case.replace(dataset=Dicts(0))) != case_fingerprint(case.replace(dataset=Dicts(1)))
