@@ -8,6 +8,7 @@ import signal
 import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def die_with_parent() -> None:
@@ -21,6 +22,45 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux): a process whose
+    parent dies - a rank's child when the rank crashes - is re-parented here, not to init,
+    so it stays in this process's tree and :func:`kill_tree` still finds it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def kill_tagged(entry: str) -> list[int]:
+    """SIGKILL every process (but this one) whose environment holds ``entry`` ("NAME=value")
+    and return their pids: the descendants of a pool's ranks that left its process tree (a
+    child started in its own session, re-parented to init) still carry the pool's tag.
+    Reads /proc; elsewhere it finds nothing."""
+    needle = entry.encode() + b"\0"
+    killed: list[int] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return killed
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                environ = fh.read()
+        except OSError:
+            continue
+        if environ.startswith(needle) or b"\0" + needle in environ:
+            try:
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
 
 
 def _children_map() -> dict[int, list[int]]:

@@ -328,6 +328,11 @@ class Analysis:
         if shard:
             out.append(shard)
             return out
+        # Each rank's slices off by a factor of that rank's own: a scaling done per rank.
+        per_rank = self._per_rank_scale(step, failing_names)
+        if per_rank:
+            out.append(per_rank)
+            return out
         layout = self._permuted(step, "grad", failing_names)
         if layout:
             out.append(layout)
@@ -431,6 +436,47 @@ class Analysis:
                      "likely_owner": [f"rank {s['slice']} of the {k}-rank group that shards {name!r} along dim {dim}" for s in bad]},
                 )
         return None
+
+    def _per_rank_scale(self, step: int, names: list[str]) -> Diagnosis | None:
+        """Every sharded failing gradient's slices are the reference's times a constant, the
+        same constant for the same slice of every such gradient, and not the same for all
+        slices: each rank scaled what it holds by a factor of its own (gradient clipping on
+        some ranks only, or by a norm each rank computed from its own shards). Needs two
+        sharded gradients that agree, so that the factors are the ranks', not one tensor's."""
+        factors: dict[str, list[float]] = {}
+        split_of: dict[str, tuple[int, int]] = {}
+        for name in names:
+            a, e = self.act.tensor(step, "grad", name), self.ref.tensor(step, "grad", name)
+            splits = [(d, k) for d, k in self._shard_splits(step, name, a.dim()) if a.shape[d] >= k]
+            if len(splits) != 1:
+                continue  # whole on every rank, or split along several dims: not one rank per slice
+            dim, k = splits[0]
+            fits = [_fit(sa, se) for sa, se in zip(a.chunk(k, dim), e.chunk(k, dim))]
+            if any(c is None or resid > _FIT_RESIDUAL.get(self.dtype, 2e-3) for c, resid in fits):
+                return None  # a slice that is no constant multiple: another cause
+            factors[name], split_of[name] = [float(c) for c, _ in fits], (dim, k)
+        if len(factors) < 2 or len({len(f) for f in factors.values()}) != 1:
+            return None
+        first = next(iter(factors.values()))
+        if any(not _close(x, y) for f in factors.values() for x, y in zip(f, first)):
+            return None
+        if all(_close(x, first[0]) for x in first):
+            return None  # one common factor: the scale checks above speak for it
+        k = len(first)
+        per_slice = {str(i): sum(f[i] for f in factors.values()) / len(factors) for i in range(k)}
+        unit = [i for i, c in per_slice.items() if abs(c - 1.0) <= _FIT_RESIDUAL.get(self.dtype, 2e-3)]
+        words = ", ".join(f"slice {i} x {_fmt(c)}" for i, c in per_slice.items())
+        return Diagnosis(
+            "grad-scaled",
+            f"at step {step} each rank's share of the sharded gradients is off by a factor of its own ({words}, "
+            f"alike in {len(factors)} gradients): a scaling applied per rank, not to the whole gradient",
+            {"step": step, "per_rank": True, "shards": k, "factor_per_slice": per_slice,
+             "params": sorted(factors)[:20], "param_count": len(factors),
+             "splits": {n: list(v) for n, v in split_of.items()}, "unscaled_slices": [int(i) for i in unit],
+             "likely_source": "a rescaling of the gradients that only some ranks do, or with a value each rank computes "
+                              "from its own shards alone (gradient clipping on one rank, or by a local norm never all-reduced)",
+             "likely_owner": [f"rank {i} of the group that shards the gradients (slice {i})" for i in per_slice]},
+        )
 
     def _permuted(self, step: int, kind: str, names: list[str]) -> Diagnosis | None:
         """Same multiset of values, different positions: the shards were laid out along the

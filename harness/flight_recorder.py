@@ -34,6 +34,7 @@ _STDLIB_DIR = os.path.dirname(os.__file__)
 # after_record_id handed out by last_record_id() -> (wall clock, Python hook position) at that
 # moment, so read_entries(after_record_id) can cut the Python-side log at the same point.
 _MARKS: dict[int, tuple[int, int]] = {}
+_LAST_SEQS: dict[str, int] = {}
 
 
 def is_library_frame(filename: str) -> bool:
@@ -136,10 +137,21 @@ def last_record_id() -> int:
     entries = data.get("entries", []) or []
     rid = int(entries[-1].get("record_id", -1)) if entries else -1
     _MARKS[rid] = (time.time_ns(), hooks.mark())
+    _LAST_SEQS.clear()
+    for e in entries:
+        name = str((tuple(e.get("process_group", ("?",))) + ("?",))[0])
+        if e.get("collective_seq_id"):
+            _LAST_SEQS[name] = max(_LAST_SEQS.get(name, 0), int(e["collective_seq_id"]))
     if len(_MARKS) > 64:  # only the newest marks are ever asked for
         for key in list(_MARKS)[:-32]:
             _MARKS.pop(key, None)
     return rid
+
+
+def seq_ids_at_last_mark() -> dict[str, int]:
+    """Each process group's last collective sequence number in Flight Recorder when
+    :func:`last_record_id` was last called (the journal numbers on from there)."""
+    return dict(_LAST_SEQS)
 
 
 def format_entry(entry: CollectiveEntry) -> str:

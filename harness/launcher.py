@@ -25,9 +25,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness import _proc
-from harness.worker import capture_path
+from harness.worker import capture_path, journal_path, read_journal
 from harness.protocol import (
     HANDSHAKE_CONTROL,
+    CollectiveEntry,
     HANDSHAKE_TASK,
     RankDump,
     RankResult,
@@ -118,7 +119,12 @@ class RunOutcome:
     timeout_s: float = 0.0
     stalled_s: float = 0.0  # > 0: ended early because no running rank made progress for this long
     aborted: dict[int, RankDump | None] = field(default_factory=dict)  # killed by us, with dump
+    # Ranks that died or failed: the collectives their journal holds (harness.tracing.hooks).
+    journals: dict[int, list[CollectiveEntry]] = field(default_factory=dict)
     finished: dict[int, RankDump | None] = field(default_factory=dict)  # done when others hung
+    # The rank fork server died during the test ("killed by signal 9"), taking every rank along.
+    fork_server_death: str = ""
+    fork_server_pid: int = 0
     pool_replaced: bool = False
     replace_reason: str = ""
 
@@ -157,16 +163,26 @@ class Zygote:
         _LIVE_PIDS.add(self.proc.pid)
         self.log_path = log_path
         self.conn = Connection(ours.detach())
-        if not self.conn.poll(startup_timeout):
+        self.startup_timeout = startup_timeout
+        self._ready = False
+
+    def wait_ready(self) -> "Zygote":
+        """Block until the fork server has imported what ranks need (it started importing
+        when this handle was made, so a session can overlap that with collection)."""
+        if self._ready:
+            return self
+        if not self.conn.poll(self.startup_timeout):
             self.close()
             raise PoolStartError(
-                f"the rank fork server did not start within {startup_timeout:.0f} s:\n{_tail(log_path)}"
+                f"the rank fork server did not start within {self.startup_timeout:.0f} s:\n{_tail(self.log_path)}"
             )
         try:
             self.conn.recv()
         except (EOFError, OSError):
             self.close()
-            raise PoolStartError(f"the rank fork server failed to start:\n{_tail(log_path)}") from None
+            raise PoolStartError(f"the rank fork server failed to start:\n{_tail(self.log_path)}") from None
+        self._ready = True
+        return self
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -290,11 +306,13 @@ class RankPool:
         self.workdir = tempfile.mkdtemp(prefix=f"harness-pool-{key.nproc}-")
         self.alive = False
         self.tests_run = 0
+        self._tag = ""  # HARNESS_TOKEN=<hex> of this pool, set at start
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> "RankPool":
         deadline = time.monotonic() + self.config.startup_timeout
         token = secrets.token_bytes(16)
+        self._tag = f"HARNESS_TOKEN={token.hex()}"  # every process the ranks start inherits it
         server = socket.create_server(("127.0.0.1", 0))
         try:
             port = server.getsockname()[1]
@@ -424,6 +442,15 @@ class RankPool:
 
     # -- run one test -----------------------------------------------------------------------
     def run(self, task: TestTask, timeout: float) -> RunOutcome:
+        try:
+            return self._run(task, timeout)
+        except KeyboardInterrupt:
+            # Ctrl-C while the ranks are inside a test body: they would not answer an orderly
+            # shutdown, so their trees are killed now and the interrupt goes on at once.
+            self.close()
+            raise
+
+    def _run(self, task: TestTask, timeout: float) -> RunOutcome:
         if not self.alive:
             raise RuntimeError("this rank pool was closed")
         self.tests_run += 1
@@ -471,6 +498,14 @@ class RankPool:
                     del pending[r.rank]
                     if first_failure is None:
                         first_failure = time.monotonic()
+        if self.zygote is not None and outcome.deaths and not self.zygote.alive():
+            outcome.fork_server_death = _proc.describe_exit(self.zygote.proc.returncode)
+            outcome.fork_server_pid = self.zygote.proc.pid
+        for rank in range(self.key.nproc):
+            # Ranks that cannot be asked (dead, or failed and back to idle) still left their
+            # collectives in their journal.
+            if rank in outcome.deaths or (rank in outcome.results and outcome.results[rank].outcome == "failed"):
+                outcome.journals[rank] = read_journal(journal_path(self.workdir, rank))
         if pending:
             outcome.timed_out = first_failure is None
             # Every live rank, finished ones too: "rank 1 finished after all_reduce #1" is
@@ -576,6 +611,10 @@ class RankPool:
         self.alive = False
         for r in self.ranks:
             _proc.kill_tree(r.proc.pid)
+        if self._tag:
+            # What the ranks started that left their tree: in its own session and re-parented
+            # to init after its rank died, or still running after a test that passed.
+            _proc.kill_tagged(self._tag)
         _proc.wait_gone([r.proc.pid for r in self.ranks], 5)
         for r in self.ranks:
             _LIVE_PIDS.discard(r.proc.pid)
@@ -609,14 +648,25 @@ class PoolManager:
         self.zygote: Zygote | None = None
         self._zygote_dir = tempfile.mkdtemp(prefix="harness-zygote-")
 
+    def start_fork_server(self) -> None:
+        """Start the fork server now without waiting for it: its torch import then overlaps
+        whatever the caller does next (pytest's collection); the first pool waits for it."""
+        if self.start_method == "forkserver" and self.zygote is None:
+            self.zygote = Zygote(self.config.startup_timeout, os.path.join(self._zygote_dir, "zygote.log"))
+
     def _fork_server(self) -> Zygote | None:
         if self.start_method != "forkserver":
             return None
-        if self.zygote is None or not self.zygote.alive():
-            if self.zygote is not None:
-                self.zygote.close()
-            self.zygote = Zygote(self.config.startup_timeout, os.path.join(self._zygote_dir, "zygote.log"))
-        return self.zygote
+        if self.zygote is not None and self.zygote._ready and not self.zygote.alive():
+            self.zygote.close()
+            self.zygote = None
+        self.start_fork_server()
+        assert self.zygote is not None
+        try:
+            return self.zygote.wait_ready()
+        except PoolStartError:
+            self.zygote = None
+            raise
 
     def get(self, key: PoolKey) -> RankPool:
         check_world_size(key.nproc)

@@ -28,6 +28,7 @@ class TestTask:
     cwd: str
     seed: int = 0
     plain_import: bool = False  # import module_name normally (library code), not as a test file
+    run_dir: str = ""  # where harness.testing writes this test's records ($HARNESS_RUN_DIR on the ranks)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class CollectiveEntry:
     tag: int = 0
     time_ns: int = 0  # wall clock when issued
     phase: str = ""  # the tracer's phase when issued: "harness" for the harness's own collectives
+    step: int | None = None  # the tracer's training step when issued
 
 
 @dataclass

@@ -17,7 +17,9 @@ import argparse
 import math
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +152,17 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     runner = InPlaceRunner(config) if _under_torchrun() else SpawnRunner(config)
     config.stash[_RUNNER_KEY] = runner
+    if isinstance(runner, SpawnRunner) and _asked_for_ranks(config):
+        runner.prestart()
+
+
+def _asked_for_ranks(config: pytest.Config) -> bool:
+    """The session was started with ``--nproc`` (it will run distributed tests) and runs
+    tests in this process (not an xdist controller, whose workers start their own ranks)."""
+    args = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    named = any(str(a) == "--nproc" or str(a).startswith("--nproc=") for a in args)
+    xdist_controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    return named and not xdist_controller
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -264,6 +277,24 @@ def rank_runner(request: pytest.FixtureRequest) -> Any:
     return RankRunner(runner.manager, backend=config.getoption("dist_backend"), device=config.getoption("dist_device"))
 
 
+_NO_GROUP = "Default process group has not been initialized"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A fixture of a distributed test that calls a collective fails in the pytest process,
+    with torch's bare message: say where fixtures run and what to do instead."""
+    outcome = yield
+    report = outcome.get_result()
+    if (call.when == "setup" and report.failed and call.excinfo is not None and item.get_closest_marker(MARKER)
+            and _NO_GROUP in str(call.excinfo.value) and not _under_torchrun()):
+        report.longrepr = (
+            f"{report.longrepr}\n\nharness: fixtures of a distributed test run once, in the pytest process, "
+            "not on the ranks: there is no process group there. Call collectives inside the test body "
+            "(or a helper it calls); a fixture may build plain, picklable data that the ranks receive."
+        )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = pyfuncitem.stash.get(_SPEC_KEY, None)
@@ -307,6 +338,13 @@ class SpawnRunner:
             )
         return self._manager
 
+    def prestart(self) -> None:
+        """Start the rank fork server now, so its torch import overlaps collection."""
+        try:
+            self.manager.start_fork_server()
+        except Exception:  # noqa: BLE001 - the first distributed test starts it and reports why
+            pass
+
     def setup(self, item: pytest.Item, spec: DistSpec) -> None:
         pass
 
@@ -335,6 +373,7 @@ class SpawnRunner:
                     "plain data from the fixture.",
                     pytrace=False,
                 )
+        run_dir = tempfile.mkdtemp(prefix="harness-test-")
         task = TestTask(
             nodeid=item.nodeid,
             module_name=item.module.__name__,
@@ -344,11 +383,13 @@ class SpawnRunner:
             ctx_argnames=ctx_names,
             sys_path=list(sys.path),
             cwd=os.getcwd(),
+            run_dir=run_dir,
         )
         key = PoolKey(spec.nproc, spec.backend, spec.device)
         try:
             outcome = self.manager.run(key, task, spec.timeout)
         except PoolStartError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
             pytest.fail(f"could not start {spec.nproc} {spec.backend} ranks: {exc}", pytrace=False)
         for rank in sorted(outcome.results):
             text = outcome.results[rank].stdout
@@ -357,7 +398,9 @@ class SpawnRunner:
         if outcome.failed:
             from harness.rank_report import format_failure
 
-            pytest.fail(format_failure(outcome), pytrace=False)
+            text = format_failure(outcome)
+            pytest.fail(text + _left_behind_lines(run_dir, item.nodeid, text, outcome), pytrace=False)
+        shutil.rmtree(run_dir, ignore_errors=True)
         if outcome.all_skipped:
             raise pytest.skip.Exception(outcome.results[0].message, _use_item_location=True)
         return True
@@ -368,6 +411,39 @@ class SpawnRunner:
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()
+
+
+def _left_behind_lines(run_dir: str, nodeid: str, text: str, outcome: Any) -> str:
+    """A test that failed or hung inside ``assert_matches_reference`` (which records in the
+    test's run folder): the HTML report built from what it recorded before the failure, and
+    the folders that hold it. The folder is kept; empty when the test recorded nothing."""
+    from harness.left_behind import failure_report
+    from harness.report import write_html
+    from harness.target_run import failure_diagnoses, hang_diagnoses
+    from harness.testing import report_path_for
+
+    hang = bool(outcome.timed_out)
+    try:
+        diagnoses = hang_diagnoses(outcome) if hang else failure_diagnoses(outcome)
+        report = failure_report(run_dir, name=nodeid, error=text, hang=hang, diagnoses=diagnoses)
+    except Exception as exc:  # noqa: BLE001 - the failure itself must still be reported
+        return f"\n\n(could not build a report from {run_dir}: {type(exc).__name__}: {exc})"
+    if report is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return ""
+    recorded = report.recorded
+    if recorded.get("records") and all(r["complete"] for r in recorded["records"]) and not recorded.get("unfinished"):
+        return ""  # the run finished and reported itself (its message names its report and records)
+    path = write_html(report, report_path_for(nodeid, "report"))
+    lines = [f"recorded before the failure ({run_dir}):"]
+    for r in report.recorded.get("records", []):
+        lines.append(f"  parallel record: {r['path']} ({r['steps']} steps, {'complete' if r['complete'] else 'incomplete'})")
+    lines += [f"  trace parts of the ranks: {p}" for p in report.recorded.get("trace_parts", [])]
+    done = len(report.losses.get("parallel", []))
+    lines += [f"  unfinished record, {done} step{'s' if done != 1 else ''} done before the ranks were stopped: {p}"
+              for p in report.recorded.get("unfinished", [])]
+    lines.append(f"  html report: {path}")
+    return "\n\n" + "\n".join(lines)
 
 
 # -- in-place mode (torchrun) ----------------------------------------------------------------

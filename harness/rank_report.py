@@ -7,6 +7,8 @@ last collectives were.
 
 from __future__ import annotations
 
+import os
+import re
 
 from harness import flight_recorder
 from harness.launcher import RunOutcome
@@ -58,6 +60,107 @@ def _root_cause(outcome: RunOutcome) -> tuple[int, str] | None:
     return None
 
 
+# What the process-group backend says when ranks' collectives differ in size (gloo aborts the
+# process with it), and the errors the backend raises: consequences of a collective bug or of
+# another rank's failure, never the user's own error.
+BACKEND_MISMATCH = ("collective mismatch", "doesn't match expected size", "does not match expected size")
+_BACKEND_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_BACKEND_TEXT = (*BACKEND_MISMATCH, "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                 "NCCL error", "Gloo", "gloo")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_PYTEST_FRAME = re.compile(r"^\s*(\S+\.py):(\d+): \w+", re.MULTILINE)
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_backend_error(exc_type: str, message: str) -> bool:
+    text = f"{exc_type} {message}"
+    return exc_type in _BACKEND_ERRORS or any(m in text for m in _BACKEND_TEXT)
+
+
+def own_exception(outcome: RunOutcome) -> str:
+    """When the first failure is a rank raising an exception of its own (not a death, not the
+    backend failing a collective), one line naming it: rank, type, message and the innermost
+    frame outside the harness (file:line in function). Empty otherwise."""
+    root = _root_cause(outcome)
+    if root is None or root[1] != "failed":
+        return ""
+    result = outcome.results[root[0]]
+    if _is_backend_error(result.exc_type, result.message):
+        return ""
+    # Python tracebacks ('File "x.py", line 3, in f') and pytest's ("x.py:3: RuntimeError").
+    frames = _FRAME.findall(result.longrepr or "") + [(f, ln, "") for f, ln in _PYTEST_FRAME.findall(result.longrepr or "")]
+    own = [f for f in frames if not os.path.abspath(f[0]).startswith(_HARNESS_DIR + os.sep)]
+    at = f" at {own[-1][0]}:{own[-1][1]}" + (f" in {own[-1][2]}" if own[-1][2] else "") if own else ""
+    message = (result.message or "").strip().splitlines()
+    return f"rank {root[0]} raised {result.exc_type or 'an exception'}{at}: {message[0] if message else ''}".rstrip(": ")
+
+
+def backend_failure(outcome: RunOutcome) -> tuple[int, str] | None:
+    """(rank, the backend's line) when the first failure is the process-group backend's: the
+    first rank to die left a backend message in its output (gloo aborts a rank whose
+    collective's size differs), or the first rank to fail raised a backend error. None when the
+    first failure is a rank's own exception or a death the backend did not cause (a signal)."""
+    root = _root_cause(outcome)
+    if root is None:
+        return None
+    rank, kind = root
+    if kind == "died":
+        log = outcome.death_logs.get(rank, "")
+        line = next((ln.strip() for ln in log.splitlines() if any(m in ln for m in BACKEND_MISMATCH)), "")
+        return (rank, line) if line else None
+    result = outcome.results[rank]
+    if not _is_backend_error(result.exc_type, result.message):
+        return None
+    text = result.longrepr or result.message or ""
+    line = next((ln.strip() for ln in text.splitlines() if any(m in ln for m in BACKEND_MISMATCH)), "")
+    return rank, line or _first_line(result.message)
+
+
+def culprits(outcome: RunOutcome) -> list[int]:
+    """The ranks this report holds responsible for the failure, as its first lines name them.
+
+    A hang or a collective the backend failed: the first diagnosis from the ranks'
+    collectives - the ranks that issued a collective the others never did, the side of a
+    missing collective that stands apart (a rank that never came, or the one rank waiting in a
+    collective the rest never issued: the minority of the group), the minority of a mismatch.
+    Otherwise the rank that died or raised first. Both sides of an even split: the evidence
+    cannot tell them apart."""
+    if outcome.timed_out or backend_failure(outcome) is not None:
+        try:
+            from harness.tracing import diagnose_hang
+
+            found = diagnose_hang(outcome)
+        except Exception:  # noqa: BLE001 - the root cause below still stands
+            found = []
+        if found:
+            return _responsible(found[0].evidence)
+    root = _root_cause(outcome)
+    if root is not None:
+        return [root[0]]
+    return sorted(r for r, d in outcome.aborted.items() if d is None or not d.waiting_in)
+
+
+def _responsible(ev: dict) -> list[int]:
+    if ev.get("extra_on_ranks"):
+        return sorted(ev["extra_on_ranks"])
+    if ev.get("absent_ranks") is not None and ev.get("issued_by") is not None:
+        absent, present = sorted(ev["absent_ranks"]), sorted(ev["issued_by"])
+        if ev.get("p2p") or len(absent) < len(present):
+            return absent
+        return present if len(present) < len(absent) else sorted(absent + present)
+    per_rank = ev.get("per_rank") or {}
+    sides: dict[tuple, list[int]] = {}
+    for rank, rec in per_rank.items():
+        key = (rec.get("op"), str(rec.get("shapes")), str(rec.get("dtypes")), rec.get("reduce_op"))
+        sides.setdefault(key, []).append(int(rank))
+    if len(sides) > 1:
+        smallest = min(len(v) for v in sides.values())
+        minority = [r for v in sides.values() if len(v) == smallest for r in v]
+        if len(minority) < len(per_rank):
+            return sorted(minority)
+    return sorted(int(r) for r in per_rank) or sorted(ev.get("ranks", []))
+
+
 def _first_line(text: str) -> str:
     for line in text.splitlines():
         if line.strip():
@@ -90,12 +193,16 @@ def _rank_line(outcome: RunOutcome, rank: int) -> str:
 
 
 def _collectives_block(dump: RankDump) -> list[str]:
-    if not dump.collectives:
+    return _entries_block(dump.collectives)
+
+
+def _entries_block(entries: list[CollectiveEntry]) -> list[str]:
+    if not entries:
         return ["    (no collectives recorded in this test)"]
-    shown = dump.collectives[-MAX_COLLECTIVES_SHOWN:]
+    shown = entries[-MAX_COLLECTIVES_SHOWN:]
     lines = [f"    {flight_recorder.format_entry(e)}" for e in shown]
-    if len(dump.collectives) > len(shown):
-        lines.insert(0, f"    ... {len(dump.collectives) - len(shown)} earlier")
+    if len(entries) > len(shown):
+        lines.insert(0, f"    ... {len(entries) - len(shown)} earlier")
     return lines
 
 
@@ -157,6 +264,18 @@ def format_failure(outcome: RunOutcome) -> str:
     if root is None:
         return "\n".join(_rank_line(outcome, r) for r in range(n))
     rank, kind = root
+    if outcome.fork_server_death:
+        lines.append(
+            f"the rank fork server (pid {outcome.fork_server_pid}) died during the test "
+            f"({outcome.fork_server_death}), and every rank with it: ranks are its children and die "
+            "with their parent, so the rank deaths below are its consequence. On a rank, "
+            "os.getppid() is the fork server: a signal sent there from the test body ends them all."
+        )
+        lines.append("")
+    if backend_failure(outcome) is not None:
+        # The backend failed a collective: what the ranks issued (the dead ones' journals
+        # too) names which one and where, ahead of the backend's own words.
+        lines.extend(_hang_diagnosis(outcome))
     if kind == "died":
         lines.append(
             f"rank {rank} died first ({outcome.deaths[rank]}), of {n} ranks. Its last output:"
@@ -175,4 +294,8 @@ def format_failure(outcome: RunOutcome) -> str:
     if outcome.aborted:
         lines.append("")
         lines.extend(_dump_details(outcome.aborted))
+    for r, entries in sorted(outcome.journals.items()):
+        if entries and r in outcome.deaths:  # a dead rank's only account of its collectives
+            lines.append(f"---- rank {r} last collectives (from its journal), oldest first ----")
+            lines.extend(_entries_block(entries))
     return "\n".join(lines)

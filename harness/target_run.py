@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -22,6 +21,8 @@ from typing import Any
 
 from .codes import Diagnosis
 from .remote import RankRunner, RanksFailed, RanksHung
+from .left_behind import left_behind, recorded_lines
+from .rank_report import own_exception
 from .report.model import DiagnosisReport, build_report
 from .target import Target, load_target
 
@@ -203,14 +204,14 @@ def diagnose_target(
         report = _hang_report(resolved, world, steps, exc, work)
     except RanksFailed as exc:
         case = resolved.case if steps is None else resolved.case.replace(steps=steps)
-        record, trace, recorded = _left_behind(work)
-        raised = _own_exception(exc.outcome)
+        record, trace, recorded = left_behind(work)
+        raised = own_exception(exc.outcome)
         # A rank's own exception (the user's code, or a check of the case) is the cause: the
         # others waiting in a collective are its consequence, not a missing collective.
-        diagnoses = [] if raised else _failure_diagnoses(exc)
+        diagnoses = [] if raised else failure_diagnoses(exc.outcome)
         error = f"{raised}\n\n{exc.report}" if raised else exc.report
         report = build_report(target=resolved, case=case, nproc=world, diagnoses=diagnoses, actual=record, trace=trace,
-                              error=error + _recorded_lines(recorded), elapsed_s=time.monotonic() - started, recorded=recorded)
+                              error=error + recorded_lines(recorded), elapsed_s=time.monotonic() - started, recorded=recorded)
     finally:
         stop.set()
         tail.join(timeout=1)
@@ -220,60 +221,30 @@ def diagnose_target(
     return report
 
 
-_BACKEND_MISMATCH = ("collective mismatch", "doesn't match expected size", "does not match expected size")
-# Exceptions raised by the process group itself: consequences of another rank's failure or a
-# collective bug, never the user's own error.
-_BACKEND_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
-_BACKEND_TEXT = (*_BACKEND_MISMATCH, "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
-                 "NCCL error", "Gloo", "gloo")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_PYTEST_FRAME = re.compile(r"^\s*(\S+\.py):(\d+): \w+", re.MULTILINE)
+def failure_diagnoses(outcome: Any) -> list[Diagnosis]:
+    """A rank died or raised. Only when the first failure is the backend's (gloo ends a rank on
+    a size mismatch; a collective times out) is the cause a collective bug: named from the
+    ranks' collectives (the dead rank's journal included), else from the backend's own
+    mismatch message. A rank killed by a signal or raising its own error is the cause itself,
+    reported as such, with no code."""
+    from .rank_report import BACKEND_MISMATCH, backend_failure
 
-
-def _own_exception(outcome: Any) -> str:
-    """When the first failure is a rank raising an exception of its own (not a death, not the
-    backend aborting a collective), one line naming it: rank, type, message and the innermost
-    frame outside the harness (file:line in function). Empty otherwise."""
-    from .rank_report import _root_cause
-
-    root = _root_cause(outcome)
-    if root is None or root[1] != "failed":
-        return ""
-    result = outcome.results[root[0]]
-    text = f"{result.exc_type} {result.message}"
-    if result.exc_type in _BACKEND_ERRORS or any(m in text for m in _BACKEND_TEXT):
-        return ""
-    # Python tracebacks ('File "x.py", line 3, in f') and pytest's ("x.py:3: RuntimeError").
-    frames = _FRAME.findall(result.longrepr or "") + [(f, ln, "") for f, ln in _PYTEST_FRAME.findall(result.longrepr or "")]
-    harness_dir = os.path.dirname(os.path.abspath(__file__))
-    own = [f for f in frames if not os.path.abspath(f[0]).startswith(harness_dir + os.sep)]
-    where = f" at {own[-1][0]}:{own[-1][1]}" + (f" in {own[-1][2]}" if own[-1][2] else "") if own else ""
-    message = (result.message or "").strip().splitlines()
-    return f"rank {root[0]} raised {result.exc_type or 'an exception'}{where}: {message[0] if message else ''}".rstrip(": ")
-
-
-def _failure_diagnoses(exc: RanksFailed) -> list[Diagnosis]:
-    """A rank died or raised: name a collective mismatch when the surviving ranks' traces or
-    the backend's own abort message show one (gloo aborts on a size mismatch)."""
-    found = _hang_diagnoses(exc.outcome)
-    if found:
+    failure = backend_failure(outcome)
+    if failure is None:
+        return []
+    found = hang_diagnoses(outcome)
+    rank, line = failure
+    if found or not any(m in line for m in BACKEND_MISMATCH):
         return found
-    outcome = exc.outcome
-    texts = {r: log for r, log in getattr(outcome, "death_logs", {}).items()}
-    texts.update({r: res.longrepr or res.message for r, res in getattr(outcome, "results", {}).items() if res.outcome == "failed"})
-    for rank, text in sorted(texts.items()):
-        line = next((ln.strip() for ln in (text or "").splitlines() if any(m in ln for m in _BACKEND_MISMATCH)), "")
-        if line:
-            return [Diagnosis(
-                "collective-mismatch",
-                f"rank {rank} aborted in the backend on a collective whose size differs between ranks: {line[-200:]}",
-                {"rank": rank, "backend_message": line[-500:], "death": getattr(outcome, "deaths", {}).get(rank, ""),
-                 "likely_source": "ranks issued collectives in different orders or with different shapes at the same position"},
-            )]
-    return []
+    return [Diagnosis(
+        "collective-mismatch",
+        f"rank {rank} aborted in the backend on a collective whose size differs between ranks: {line[-200:]}",
+        {"rank": rank, "backend_message": line[-500:], "death": getattr(outcome, "deaths", {}).get(rank, ""),
+         "likely_source": "ranks issued collectives in different orders or with different shapes at the same position"},
+    )]
 
 
-def _hang_diagnoses(outcome: Any) -> list[Diagnosis]:
+def hang_diagnoses(outcome: Any) -> list[Diagnosis]:
     try:
         from .tracing import diagnose_hang
 
@@ -297,53 +268,6 @@ def _hang_diagnoses(outcome: Any) -> list[Diagnosis]:
 
 def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung, work: str) -> DiagnosisReport:
     case = target.case if steps is None else target.case.replace(steps=steps)
-    record, trace, recorded = _left_behind(work)
-    return build_report(target=target, case=case, nproc=world, diagnoses=_hang_diagnoses(exc.outcome), hang=True,
-                        actual=record, trace=trace, error=exc.report + _recorded_lines(recorded), recorded=recorded)
-
-
-def _left_behind(work: str) -> tuple[Any, Any, dict[str, Any]]:
-    """What a failed or hung run left in ``work``: the parallel record it published incomplete
-    (steps done before the failure), the ranks' trace parts, and record folders still being
-    written when the ranks were killed (their steps never published). Returns (record or None,
-    trace or None, a JSON-able summary naming each folder)."""
-    from reference.record import Record, RecordError
-
-    from .diagnose import load_trace
-
-    records, parts, unfinished = [], [], []
-    chosen = trace = None
-    for entry in sorted(Path(work).iterdir()) if os.path.isdir(work) else []:
-        if not entry.is_dir():
-            continue
-        if ".partial-" in entry.name:
-            unfinished.append(str(entry))
-            if (entry / "meta.json").is_file() and chosen is None:  # checkpointed steps of a killed run
-                try:
-                    chosen = Record.load(entry)
-                except RecordError:
-                    pass
-        elif entry.name.endswith(".trace"):
-            parts.append(str(entry))
-        elif (entry / "meta.json").is_file() and not entry.name.endswith(".replay"):
-            try:
-                record = Record.load(entry)
-            except RecordError:
-                continue
-            records.append({"path": str(entry), "complete": record.complete, "steps": record.num_steps})
-            chosen = chosen or record
-    if chosen is not None and ".partial-" not in Path(chosen.path).name:
-        trace = load_trace(str(Path(str(chosen.path) + ".trace"))) or load_trace(str(Path(chosen.path) / "trace.json"))
-    if trace is None and parts:
-        trace = load_trace(parts[0])
-    recorded = {"records": records, "trace_parts": parts, "unfinished": unfinished} if (records or parts or unfinished) else {}
-    return chosen, trace, recorded
-
-
-def _recorded_lines(recorded: dict[str, Any]) -> str:
-    lines = [f"recorded before the failure: {r['path']} ({r['steps']} steps, {'complete' if r['complete'] else 'incomplete'})"
-             for r in recorded.get("records", [])]
-    lines += [f"trace parts of the ranks: {p}" for p in recorded.get("trace_parts", [])]
-    lines += [f"unfinished record (the ranks were stopped while writing; steps done so far are in it): {p}"
-              for p in recorded.get("unfinished", [])]
-    return ("\n\n" + "\n".join(lines)) if lines else ""
+    record, trace, recorded = left_behind(work)
+    return build_report(target=target, case=case, nproc=world, diagnoses=hang_diagnoses(exc.outcome), hang=True,
+                        actual=record, trace=trace, error=exc.report + recorded_lines(recorded), recorded=recorded)

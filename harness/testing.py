@@ -63,6 +63,14 @@ def assert_matches_reference(
     if steps is not None:
         case = case.replace(steps=steps)
     name = f"{strategy.name}-{case.name}"
+    if workdir is None and os.environ.get("HARNESS_RUN_DIR"):
+        # The plugin's folder for this test: kept and named when the test fails or hangs
+        # (with an HTML report built from what the run left), removed when it passes.
+        workdir = os.environ["HARNESS_RUN_DIR"]
+        if ctx.rank == dst:
+            from .left_behind import note_run
+
+            note_run(workdir, test=_current_test() or name, case=case, strategy=strategy.name, nproc=ctx.world_size)
     target = Target(name=_current_test() or name, case=case, strategy=strategy)
     run = run_and_diagnose(case, strategy, ctx, target=target, tolerance=tolerance, workdir=workdir, cache=cache,
                            dst=dst, report_on_pass=False, comparison=comparison)

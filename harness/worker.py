@@ -10,6 +10,7 @@ Run as ``python -m harness.worker``; configuration comes in HARNESS_* environmen
 from __future__ import annotations
 
 import ast
+import json
 import faulthandler
 import importlib
 import importlib.util
@@ -29,6 +30,7 @@ from typing import Any, Callable
 from harness import _proc
 from harness.protocol import (
     HANDSHAKE_CONTROL,
+    CollectiveEntry,
     HANDSHAKE_TASK,
     RankDump,
     RankResult,
@@ -37,6 +39,7 @@ from harness.protocol import (
 )
 
 _DIST_FUNCTIONS_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _connect(port: int, token: bytes, role: bytes, rank: int, timeout: float) -> Connection:
@@ -86,6 +89,34 @@ class _FdCapture:
 def capture_path(workdir: str, rank: int) -> str:
     """Where a rank's test output goes; the launcher reads it when the rank dies mid-test."""
     return os.path.join(workdir, f"rank{rank}-test-output.txt")
+
+
+def journal_path(workdir: str, rank: int) -> str:
+    """Where a rank journals its collectives during a test (:func:`harness.tracing.hooks.open_journal`);
+    the launcher reads it when the rank dies or fails and so cannot be asked."""
+    return os.path.join(workdir, f"rank{rank}-collectives.jsonl")
+
+
+def read_journal(path: str) -> list[Any]:
+    """A journal's calls as ``CollectiveEntry`` rows, oldest first (p2p ops numbered per
+    channel); [] when there is none. A last line cut short by the rank's death is skipped."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    out: list[Any] = []
+    p2p: dict[tuple, int] = {}
+    for index, line in enumerate(lines):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if data.get("is_p2p"):
+            key = (data["process_group"], data["op"], data.get("peer"), data.get("tag", 0))
+            data["p2p_seq_id"] = p2p[key] = p2p.get(key, 0) + 1
+        out.append(CollectiveEntry(record_id=index, seq_id=data.pop("seq_id", 0), p2p_seq_id=data.pop("p2p_seq_id", 0), **data))
+    return out
 
 
 def _import_test_module(task: TestTask) -> ModuleType:
@@ -151,6 +182,26 @@ def _call_test(fn: Callable[..., Any], cls: type | None, kwargs: dict[str, Any])
     if hasattr(result, "__await__"):
         raise TypeError("async distributed tests are not supported: make the test body synchronous")
     return result
+
+
+class RankSetupError(RuntimeError):
+    """The harness could not run the test body on this rank, or not send back what it
+    returned: the message says why. Its traceback is the worker's own, not the user's."""
+
+
+def _setup_error_text(exc: RankSetupError) -> str:
+    """The message first; then, when the cause was raised in the user's code (an import error
+    in the test module), only those frames of its traceback - never the worker's."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__
+    if cause is None:
+        return text
+    frames = [f for f in traceback.extract_tb(cause.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_HARNESS_DIR + os.sep) and not f.filename.startswith("<frozen")]
+    if not frames:
+        return text
+    shown = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(cause))
+    return f"{text}\n\nwhere it was raised:\n{shown}".rstrip()
 
 
 def _pytest_longrepr(exc: BaseException, fn: Callable[..., Any] | None) -> str:
@@ -272,7 +323,14 @@ class RankWorker:
         started = time.monotonic()
         self.state = f"running {task.nodeid}"
         os.environ["HARNESS_CURRENT_TEST"] = task.nodeid  # harness.testing names its reports by it
+        if task.run_dir:  # harness.testing records there, so a failed test's steps are found
+            os.environ["HARNESS_RUN_DIR"] = task.run_dir
+        else:
+            os.environ.pop("HARNESS_RUN_DIR", None)
         self.first_record_id = flight_recorder.last_record_id()
+        from harness.tracing import hooks
+
+        hooks.open_journal(journal_path(self.workdir, self.rank), flight_recorder.seq_ids_at_last_mark())
         capture = _FdCapture(capture_path(self.workdir, self.rank))
         self.capture_path = capture.path
         outcome, exc_type, message, longrepr = "passed", "", "", ""
@@ -286,7 +344,7 @@ class RankWorker:
                 fn, cls = _resolve(module, task.qualname)
                 kwargs = pickle.loads(task.kwargs_pickle)
             except BaseException as exc:  # noqa: BLE001 - reported to the user, with cause
-                raise RuntimeError(
+                raise RankSetupError(
                     f"rank {self.rank} could not load the test body {task.qualname} from "
                     f"{task.module_file} (module {task.module_name}): "
                     f"{type(exc).__name__}: {exc}. Distributed test bodies, and the classes of "
@@ -309,7 +367,7 @@ class RankWorker:
                 try:
                     value_pickle = pickle.dumps(value)
                 except Exception as exc:  # noqa: BLE001
-                    raise TypeError(
+                    raise RankSetupError(
                         f"rank {self.rank}: {task.qualname} returned a {type(value).__name__} that "
                         f"cannot be pickled back to the launcher ({exc}); return plain data"
                     ) from exc
@@ -323,9 +381,10 @@ class RankWorker:
                 message = exc.msg or "skipped"
             else:
                 outcome = "failed"
-                longrepr = _pytest_longrepr(exc, fn)
+                longrepr = _setup_error_text(exc) if isinstance(exc, RankSetupError) else _pytest_longrepr(exc, fn)
         finally:
             self.state = "idle"
+            hooks.close_journal()
         captured = capture.read()
         capture.close()
         self.capture_path = ""
@@ -367,9 +426,12 @@ class RankWorker:
 
 def main() -> None:
     _proc.die_with_parent()
-    faulthandler.enable()
+    # faulthandler writes to a copy of the rank's log as it is now: during a test fd 2 is the
+    # test's capture file, where a stack dumped on the launcher's request would be lost.
+    log_fd = os.dup(2)
+    faulthandler.enable(file=log_fd)
     # Fallback for a rank whose control thread cannot answer (GIL held in C code).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=log_fd, all_threads=True)
     port = int(os.environ["HARNESS_LAUNCHER_PORT"])
     token = bytes.fromhex(os.environ["HARNESS_TOKEN"])
     rank = int(os.environ["RANK"])

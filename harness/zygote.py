@@ -52,6 +52,9 @@ def _reap(statuses: dict[int, int]) -> None:
 
 def main() -> None:
     _proc.die_with_parent()
+    # A rank's children outlive a crashed rank as this process's children, not init's: the
+    # fork server's tree (killed when the session ends) still holds them.
+    _proc.become_subreaper()
     conn = Connection(int(sys.argv[1]))
     # What every rank needs, imported once here and inherited by fork.
     import _pytest._code  # noqa: F401

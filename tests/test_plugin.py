@@ -487,3 +487,169 @@ def test_a_stall_is_named_in_seconds_and_a_slow_run_is_not(pytester, monkeypatch
     assert "HANG: no rank still running made progress for 2 s" in hung and "before its 120 s deadline" in hung
     assert "rank 0: in barrier" in hung
     _assert_no_leftovers(tag)
+
+
+ORPHANS = """
+import os
+import subprocess
+import sys
+import pytest
+import torch.distributed as dist
+
+
+def _sleeper():
+    # Its own session: outside the rank's process group, and re-parented when the rank dies.
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+
+
+@pytest.mark.distributed
+def test_leaves_a_sleeper_and_passes(dist_ctx):
+    _sleeper()
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_leaves_a_sleeper_and_crashes(dist_ctx):
+    _sleeper()
+    dist.barrier()
+    if dist_ctx.rank == 1:
+        os._exit(3)
+    dist.barrier()
+"""
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_no_descendant_of_a_rank_outlives_the_session(pytester, monkeypatch, start_method):
+    """Processes a test body starts in their own session (after a pass, and after its rank
+    crashed) are killed with the pool: the fork server reaps the orphans of crashed ranks, and
+    every process the ranks start carries the pool's tag, swept when the pool closes."""
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_orphans=ORPHANS)
+    result = pytester.runpytest_subprocess("--nproc", "2", "-p", "no:cacheprovider", "--dist-start-method", start_method,
+                                           timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=1, failed=1)
+    _assert_no_leftovers(tag)
+
+
+CLARITY = """
+import os
+import signal
+import threading
+import pytest
+import torch
+import torch.distributed as dist
+
+if os.environ.get("HARNESS_WORKER"):
+    from no_such_module_on_ranks import thing  # noqa: F401  (imports only in the pytest process)
+
+
+@pytest.mark.distributed
+def test_not_importable_on_ranks(dist_ctx):
+    pass
+"""
+
+CLARITY_RANKS = """
+import os
+import signal
+import threading
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed
+def test_returns_a_lock(dist_ctx):
+    return threading.Lock()
+
+
+@pytest.mark.distributed
+def test_kills_the_fork_server(dist_ctx):
+    dist.barrier()
+    if dist_ctx.rank == 0:
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)  # the kernel ends the ranks once the fork server is gone
+    dist.barrier()
+
+
+@pytest.fixture
+def summed():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t
+
+
+@pytest.mark.distributed
+def test_fixture_calls_a_collective(dist_ctx, summed):
+    pass
+
+
+@pytest.mark.distributed
+def test_after_the_fork_server_died(dist_ctx):
+    dist.barrier()
+"""
+
+
+def test_failure_reports_lead_with_the_cause(pytester, monkeypatch):
+    """What the harness could not do leads its report, in its words: no worker source before
+    a load failure or an unpicklable return value; a fork server killed from a rank is named
+    as the cause of the ranks' deaths (and the next test gets a new one); a fixture calling a
+    collective is told that fixtures run in the pytest process."""
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_clarity=CLARITY, test_clarity_ranks=CLARITY_RANKS)
+    result = pytester.runpytest_subprocess("--nproc", "2", "-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=1, failed=3, errors=1)
+    out = result.stdout.str()
+
+    load = _section(out, "test_not_importable_on_ranks")
+    assert "RankSetupError: rank 1 could not load the test body test_not_importable_on_ranks" in load or \
+        "RankSetupError: rank 0 could not load the test body test_not_importable_on_ranks" in load, load
+    assert "worker.py" not in load and "ModuleNotFoundError: No module named 'no_such_module_on_ranks'" in load
+    assert "test_clarity.py" in load.split("where it was raised:")[1]  # the user's frame, not ours
+
+    returned = _section(out, "test_returns_a_lock")
+    assert "returned a lock that cannot be pickled back to the launcher" in returned and "worker.py" not in returned
+
+    killed = _section(out, "test_kills_the_fork_server")
+    assert "the rank fork server (pid " in killed and "died during the test (killed by signal 9 (SIGKILL))" in killed
+    assert killed.index("the rank fork server") < killed.index("died first")
+
+    fixture = _section(out, "test_fixture_calls_a_collective")
+    assert "Default process group has not been initialized" in fixture
+    assert "fixtures of a distributed test run once, in the pytest process, not on the ranks" in fixture
+    _assert_no_leftovers(tag)
+
+
+SLEEPS_IN_BODY = """
+import os
+import time
+import pytest
+
+
+@pytest.mark.distributed
+def test_sleeps(dist_ctx):
+    open(os.path.join(os.environ["MARKER_DIR"], f"rank{dist_ctx.rank}"), "w").close()
+    time.sleep(120)
+"""
+
+
+def test_ctrl_c_inside_a_test_body_stops_the_session_and_leaves_nothing(pytester, monkeypatch, tmp_path):
+    """SIGINT while every rank sleeps inside the test body: the ranks cannot answer an orderly
+    shutdown, so their trees are killed at once and pytest reports the interrupt (the time it
+    takes is measured by tests/bench/bench_launcher.py, not asserted here)."""
+    tag = _child_env(monkeypatch)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    monkeypatch.setenv("MARKER_DIR", str(markers))
+    pytester.makepyfile(test_sleeps=SLEEPS_IN_BODY)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nproc", "2", "test_sleeps.py"],
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + CHILD_DEADLINE
+    while len(list(markers.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert len(list(markers.iterdir())) == 2, proc.communicate(timeout=10)[0].decode()
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "KeyboardInterrupt" in out
+    _assert_no_leftovers(tag)

@@ -47,3 +47,59 @@ def test_reports_go_next_to_junitxml_by_default(pytester, monkeypatch) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--junitxml={junit}", "-k", "double", timeout=240)
     result.assert_outcomes(failed=1, deselected=1)
     assert [p.name for p in (junit.parent / "harness-reports").glob("*.html")] == ["test_checks.py_test_double_averaged.html"]
+
+
+FAILS_MIDWAY = """
+import torch.distributed as dist
+import pytest
+from cases.catalog import mlp_case
+from cases.strategies.ddp import DDPStrategy
+from harness.testing import assert_matches_reference
+
+
+class StopsAtStep2(DDPStrategy):
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.steps_done = how, 0
+
+    def optimizer_step(self, case, setup):
+        super().optimizer_step(case, setup)
+        self.steps_done += 1
+        if self.steps_done == 2 and self.how == "raise":
+            raise RuntimeError("my strategy broke at step 2")
+        if self.steps_done == 2 and self.how == "hang" and dist.get_rank() == 0:
+            dist.barrier()  # only rank 0: rank 1 goes on into the next step's collectives
+
+
+@pytest.mark.distributed(nproc=2, timeout=60)
+@pytest.mark.parametrize("how", ["raise", "hang"])
+def test_midway(dist_ctx, tmp_path, how):
+    assert_matches_reference(mlp_case("sgd"), StopsAtStep2(how), dist_ctx, steps=3, cache=tmp_path / "c")
+"""
+
+
+def test_a_check_that_raises_or_hangs_midway_names_its_steps_and_writes_html(pytester, monkeypatch) -> None:
+    """assert_matches_reference that raises (the user's error) or hangs after step 1: the
+    failure names the folder holding the 2 recorded steps, and an HTML report of them is
+    written - the user's exception stays the verdict's lead."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    pytester.makepyfile(test_midway=FAILS_MIDWAY)
+    reports = pytester.path / "out"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-report-dir", str(reports),
+                                           "--dist-stall-window", "3", timeout=240)
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    # Raised: the ranks' recorders publish step 0 and step 1's gradients. Hung in step 1's
+    # optimizer step and killed: step 0, checkpointed, is in the unfinished record.
+    for how, recorded in (("raise", "parallel record: "), ("hang", "unfinished record, 1 step done before the ranks were stopped")):
+        start = out.index(f"test_midway[{how}] _")
+        section = out[start:out.find("\n_____", start + 1)]
+        assert "recorded before the failure" in section, section
+        assert recorded in section, section
+        assert "html report: " in section
+    assert "(2 steps, incomplete)" in out
+    assert "RuntimeError: my strategy broke at step 2" in out
+    html = {p.name: p.read_text() for p in reports.glob("*.html")}
+    assert sorted(html) == ["test_midway.py_test_midway_hang.html", "test_midway.py_test_midway_raise.html"], sorted(html)
+    assert "my strategy broke at step 2" in html["test_midway.py_test_midway_raise.html"]
+    assert "collective-missing" in html["test_midway.py_test_midway_hang.html"]

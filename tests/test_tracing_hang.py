@@ -63,6 +63,25 @@ def deadlock_across_groups(ctx) -> None:
         dist.all_reduce(t, group=first)
 
 
+def count_tokens(n: int) -> None:
+    dist.all_reduce(torch.tensor([float(n)]))  # one per micro-batch
+
+
+def uneven_micro_batches(ctx) -> None:
+    grad = torch.ones(16, 8)
+    for _ in range(2 if ctx.rank == 0 else 1):  # rank 0 runs one more micro-batch
+        count_tokens(4)
+    dist.all_reduce(grad)  # gloo aborts rank 0: 512 bytes arrive for its 4-byte all_reduce
+
+
+def holds_the_gil_in_c(ctx) -> None:
+    import ctypes
+
+    if ctx.rank == 1:
+        ctypes.PyDLL(None).sleep(30)  # libc sleep called with the GIL held: no Python thread runs
+    dist.barrier()
+
+
 def _hang(rank_runner, fn):
     with pytest.raises(RanksHung) as info:
         rank_runner.run(fn, nproc=2, timeout=HANG_TIMEOUT)
@@ -174,3 +193,36 @@ def test_a_collective_on_some_ranks_only_is_named_at_its_line_not_the_harness_co
     assert d.evidence["extra_on_ranks"] == [0] and d.evidence["absent_ranks"] == [1]
     assert d.evidence["call_site"].endswith("extra_flag.py:13 in found_inf"), d.evidence
     assert "the harness's own all_gather" in d.summary
+
+
+def test_a_rank_that_gloo_aborts_still_names_its_collective_from_its_journal(rank_runner) -> None:
+    """Rank 0 runs one micro-batch more than rank 1; gloo kills rank 0 (SIGABRT) when rank 1's
+    gradient all_reduce meets its token count. The dead rank's journal still says what it
+    issued: the report names both collectives at their lines, ahead of gloo's own words."""
+    from harness.remote import RanksFailed
+
+    with pytest.raises(RanksFailed) as info:
+        rank_runner.run(uneven_micro_batches, nproc=2, timeout=30)
+    outcome = info.value.outcome
+    assert 0 in outcome.deaths and "SIGABRT" in outcome.deaths[0]
+    [found] = diagnose_hang(outcome)
+    assert found.code == "collective-mismatch" and found.evidence["hang"] is False, found
+    per_rank = found.evidence["per_rank"]
+    assert per_rank["0"]["shapes"] == [[1]] and per_rank["1"]["shapes"] == [[16, 8]]
+    assert per_rank["0"]["call_site"].endswith(f"test_tracing_hang.py:{_line(count_tokens, 'one per micro-batch')} in count_tokens")
+    assert per_rank["1"]["call_site"].endswith(f"test_tracing_hang.py:{_line(uneven_micro_batches, 'gloo aborts')} in uneven_micro_batches")
+    report = info.value.report
+    assert report.index("DIAGNOSIS collective-mismatch") < report.index("rank 0 died first")
+    assert "rank 0 last collectives (from its journal)" in report
+
+
+def test_a_rank_holding_the_gil_in_c_still_shows_its_python_stack(rank_runner) -> None:
+    """Rank 1 sleeps in C with the GIL held, so its control thread cannot answer the dump:
+    faulthandler's stack (asked for with SIGUSR1) is in the report, not an empty one, though
+    the rank's fd 2 was the test's capture file at the time."""
+    hung = _hang(rank_runner, holds_the_gil_in_c)
+    report = hung.report
+    assert "rank 1: did not answer (faulthandler stack below)" in report, report
+    stack = report.split("---- rank 1 Python stack ----", 1)[1]
+    assert "(empty)" not in stack.split("----")[0], stack
+    assert "holds_the_gil_in_c" in stack and "test_tracing_hang.py" in stack, stack

@@ -299,6 +299,7 @@ def to_entry(record: CollectiveRecord) -> CollectiveEntry:
         tag=record.tag,
         time_ns=record.t_ns,
         phase=record.phase,
+        step=record.step,
     )
 
 
@@ -323,6 +324,7 @@ def from_entry(entry: CollectiveEntry, rank: int, index: int) -> CollectiveRecor
         t_ns=getattr(entry, "time_ns", 0),
         source=entry.state,
         phase=getattr(entry, "phase", ""),
+        step=getattr(entry, "step", None),
     )
 
 
@@ -370,11 +372,13 @@ def compare_ranks(
     status: Mapping[int, RankStatus] | None = None,
     *,
     positions: Mapping[int, Mapping[int, int]] | None = None,
+    hang: bool | None = None,
 ) -> list[Diagnosis]:
     """The first divergence of every process group (and every p2p channel) among the ranks'
-    records. With ``status`` (a hang) the wording says who waits where; ``positions`` maps
-    rank -> {record index -> position in the report's event list}."""
-    hang = status is not None
+    records. With ``status`` (taken when the run stopped) the wording says who waits where;
+    ``hang`` (default: whether ``status`` is given) says the run hung rather than failed;
+    ``positions`` maps rank -> {record index -> position in the report's event list}."""
+    hang = status is not None if hang is None else hang
     status = status or {}
     out: list[tuple[int, Diagnosis]] = []
     known = set(by_rank)

@@ -63,6 +63,16 @@ def _records(outcome: Any) -> dict[int, list[CollectiveRecord]]:
         if dump is None or dump.state == "unresponsive":
             continue
         by_rank[rank] = [from_entry(e, rank, i) for i, e in enumerate(dump.collectives)]
+    # Ranks that could not be asked (dead, or failed) left their journal: the collectives
+    # they issued from Python. On a group where an asked rank ran collectives issued from C++
+    # (Flight Recorder's alone: DDP's reducer, DTensor), the journal lacks those and would
+    # number the group's collectives differently, so it is not used for that group.
+    cpp_groups = {r.group for records in by_rank.values() for r in records if r.source == "fr"}
+    for rank, entries in (getattr(outcome, "journals", None) or {}).items():
+        if rank in by_rank:
+            continue
+        records = [from_entry(e, rank, i) for i, e in enumerate(entries)]
+        by_rank[rank] = [r for r in records if r.group not in cpp_groups]
     return by_rank
 
 
@@ -75,7 +85,10 @@ def diagnose_hang(outcome: Any) -> list[Diagnosis]:
     for rank, st in status.items():
         if st.state == "finished" and rank not in by_rank:
             by_rank[rank] = []
-    found = compare_ranks(by_rank, status)
+    # Hung: the launcher stopped ranks that were still running. Otherwise a rank died or
+    # raised and the others failed with it (gloo aborting on a size mismatch, say).
+    hang = bool(getattr(outcome, "aborted", None)) or bool(getattr(outcome, "timed_out", False))
+    found = compare_ranks(by_rank, status, hang=hang)
     if found:
         return found
     waiting = [r for r, st in status.items() if st.state == "waiting"]

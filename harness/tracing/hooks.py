@@ -14,11 +14,20 @@ and time (FR's ``time_created_ns`` falls inside the call's window).
 The cost is one Python function call, two ``time.time_ns()`` and a cached frame walk per
 collective (a few microseconds; see ``tests/bench/bench_tracing.py``); nothing is added to
 collectives issued from C++.
+
+**The journal.** The ring buffer lives in the rank's memory, so a rank that dies (gloo aborts
+the process on a size mismatch, a segfault, SIGKILL) takes it along. While a journal is open
+(:func:`open_journal`, the launcher's worker opens one per test) each call is also written,
+unbuffered, as one JSON line to a file, before the call can block: the launcher reads a dead
+rank's collectives back from it (:func:`harness.worker.read_journal`), numbered per group as
+Flight Recorder numbers them (on from the group's sequence number when the journal opened).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import sys
 import threading
 import time
@@ -34,11 +43,13 @@ __all__ = [
     "PyCall",
     "call_site",
     "calls_since",
+    "close_journal",
     "group_info",
     "install",
     "installed",
     "mark",
-    "total_calls",
+    "open_journal",
+    "set_phase",
 ]
 
 DEFAULT_LOG_SIZE = 50_000
@@ -116,11 +127,6 @@ _NOT_OPTIONS = (_TENSOR, list, tuple)
 
 def installed() -> bool:
     return _INSTALLED
-
-
-def total_calls() -> int:
-    """How many calls have been logged in this process (the ring buffer keeps the newest)."""
-    return _LAST_INDEX
 
 
 def mark() -> int:
@@ -232,6 +238,11 @@ def _wrap(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time_ns()
+        if _JOURNAL_FD is not None:
+            try:
+                _journal(self, op, input_index, direction, method, args, kwargs, t0)
+            except Exception:  # noqa: BLE001 - tracing must never break the user's collective
+                pass
         result = original(self, *args, **kwargs)
         t1 = time.time_ns()
         try:
@@ -294,6 +305,71 @@ def _to_call(raw: tuple) -> PyCall:
     elif extra is not None:
         call._reduce = _reduce_op(extra)
     return call
+
+
+# -- the journal: the calls on disk, for ranks that die -------------------------------------
+
+_JOURNAL_FD: int | None = None
+_JOURNAL_SEQ: dict[str, int] = {}
+_PHASE = ""
+_STEP: int | None = None
+
+
+def set_phase(phase: str, step: int | None = None) -> None:
+    """What the rank does now ("harness" for the harness's own collectives) and in which
+    training step: journal lines carry both, as a tracer's records do."""
+    global _PHASE, _STEP
+    _PHASE, _STEP = phase, step
+
+
+def open_journal(path: str, seq_base: dict[str, int] | None = None) -> None:
+    """Write every call from now on to ``path`` (truncated). ``seq_base``: each group's last
+    collective sequence number so far (Flight Recorder's), so journal lines number the
+    group's collectives as Flight Recorder does on the ranks that live."""
+    global _JOURNAL_FD
+    close_journal()
+    install()
+    _JOURNAL_SEQ.clear()
+    _JOURNAL_SEQ.update(seq_base or {})
+    _JOURNAL_FD = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+
+
+def close_journal() -> None:
+    global _JOURNAL_FD
+    if _JOURNAL_FD is not None:
+        fd, _JOURNAL_FD = _JOURNAL_FD, None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _journal(pg: Any, op: str, input_index: int, direction: str, method: str, args: tuple, kwargs: dict, t0: int) -> None:
+    """One unbuffered line per call, written before the call (it may never return)."""
+    name = _pg_name(pg)
+    ranks, desc = _GROUPS[name]
+    tensors = _tensors(args[input_index]) if 0 <= input_index < len(args) else ()
+    entry: dict[str, Any] = {
+        "op": op, "process_group": f"{name}:{desc or 'undefined'}", "group_ranks": ranks,
+        "input_sizes": [list(t.shape) for t in tensors], "dtypes": [_dtype_name(t.dtype) for t in tensors],
+        "call_site": call_site(3), "time_ns": t0, "phase": _PHASE, "step": _STEP, "state": "journal",
+    }
+    if direction:
+        if method == "recv_anysource":
+            group_peer, tag = None, int(args[1]) if len(args) > 1 else 0
+        else:
+            group_peer = int(args[1]) if len(args) > 1 else None
+            tag = int(args[2]) if len(args) > 2 else 0
+        peer = ranks[group_peer] if group_peer is not None and group_peer < len(ranks) else group_peer
+        entry.update(is_p2p=True, peer=peer, tag=tag)
+    else:
+        seq = _JOURNAL_SEQ[name] = _JOURNAL_SEQ.get(name, 0) + 1
+        entry["seq_id"] = seq
+        if op.startswith(("all_reduce", "reduce")):
+            entry["reduce_op"] = _reduce_op(tuple(v for v in (*args[1:], *kwargs.values()) if not isinstance(v, _NOT_OPTIONS)))
+    fd = _JOURNAL_FD
+    if fd is not None:
+        os.write(fd, (json.dumps(entry) + "\n").encode())
 
 
 def install(log_size: int | None = None) -> None:

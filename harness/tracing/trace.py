@@ -387,6 +387,7 @@ class Tracer:
     def __exit__(self, *exc: object) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        hooks.set_phase(_ACTIVE[-1]._phase, _ACTIVE[-1]._step) if _ACTIVE else hooks.set_phase("")
 
     # -- what the rank is --------------------------------------------------------------------
 
@@ -464,6 +465,7 @@ class Tracer:
             if self._steps_since_flush >= self._flush_every:
                 self.flush()
         self._step = step
+        hooks.set_phase(self._phase, step)
         self._boundaries.append((time.time_ns(), step))
         if self._phase == "setup":
             self.set_phase("train")
@@ -485,6 +487,7 @@ class Tracer:
         (recording, gathering: excluded from checks' reports and summaries), or any label."""
         self._phase = phase
         self._phase_marks.append((time.time_ns(), phase))
+        hooks.set_phase(phase, self._step)  # the journal's lines carry both too
 
     @contextmanager
     def phase(self, phase: str) -> Iterator[None]:

@@ -5,7 +5,8 @@ Runs the same 20 small distributed tests at nproc 2 and 4 three ways, in one run
   spawn per test   - this plugin with --dist-fresh-pool --dist-start-method spawn: fresh
                      interpreters per test, which is how PyTorch's MultiProcessTestCase works
   mp.spawn per test - plain torch.multiprocessing.spawn + init/destroy_process_group per test
-and prints total wall time, per-test time and the ratios.
+and prints total wall time, per-test time and the ratios; then the time from Ctrl-C (SIGINT
+to pytest while every rank sleeps in a test body) to pytest's exit.
 
     python tests/bench/bench_launcher.py
 """
@@ -72,6 +73,38 @@ def run_pytest(directory: str, nproc: int, extra: list[str]) -> tuple[float, lis
     return total, per_test
 
 
+SLEEP_FILE = '''
+import os
+import time
+import pytest
+
+
+@pytest.mark.distributed
+def test_sleeps(dist_ctx):
+    open(os.path.join(os.environ["MARKER_DIR"], f"rank{dist_ctx.rank}"), "w").close()
+    time.sleep(120)
+'''
+
+
+def time_interrupt(directory: str, nproc: int) -> float:
+    """Seconds from SIGINT to pytest's exit while the ranks sleep inside the test body."""
+    import signal
+
+    markers = tempfile.mkdtemp(dir=directory)
+    with open(os.path.join(directory, "test_sleep_bench.py"), "w") as fh:
+        fh.write(SLEEP_FILE)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nproc", str(nproc),
+                             "test_sleep_bench.py"], cwd=directory, env={**os.environ, "MARKER_DIR": markers},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while len(os.listdir(markers)) < nproc and proc.poll() is None:
+        time.sleep(0.05)
+    start = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    proc.wait()
+    os.remove(os.path.join(directory, "test_sleep_bench.py"))
+    return time.perf_counter() - start
+
+
 def run_mp_spawn(directory: str, nproc: int) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "mp_bench.py", str(nproc)], cwd=directory, check=True,
@@ -100,6 +133,8 @@ def main() -> None:
                   f"{fresh / warm:>10.1f}x {mp_total / warm:>13.1f}x {dispatch:>17.1f}")
         print("warm pool totals include pytest start-up and the one-time fork-server start;"
               " per-test ms is the median pytest-measured time of tests 2..20 (dispatch + body + reset)")
+        for nproc in (2, 4):
+            print(f"Ctrl-C with {nproc} ranks inside a test body: pytest exits {time_interrupt(directory, nproc):.2f} s after SIGINT")
 
 
 if __name__ == "__main__":

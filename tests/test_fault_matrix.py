@@ -1,0 +1,36 @@
+"""The fault matrix of ``tests/fault_matrix.py`` on real ranks: every fault kind is blamed on
+the rank it was injected on - one cell per kind by default, the whole matrix under -m slow."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.remote import RankRunner
+
+from fault_matrix import KINDS, POSITIONS, STALL_WINDOW_S, run_cell
+
+# One cell per kind, the faulting rank rotating through first, middle and last.
+DEFAULT_CELLS = [(kind, list(POSITIONS)[i % len(POSITIONS)]) for i, kind in enumerate(KINDS)]
+
+
+@pytest.fixture(scope="module")
+def fast_stall_runner():
+    with RankRunner(stall_window=STALL_WINDOW_S) as runner:
+        yield runner
+
+
+def _check(runner, kind: str, position: str) -> None:
+    cell = run_cell(runner, kind, position)
+    assert cell.scored, f"{kind} on the {position} rank (rank {cell.victim}): blamed {cell.blamed}; report opens: {cell.first_line}"
+
+
+@pytest.mark.parametrize("kind, position", DEFAULT_CELLS)
+def test_each_fault_kind_is_blamed_on_the_injected_rank(fast_stall_runner, kind, position) -> None:
+    _check(fast_stall_runner, kind, position)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", list(POSITIONS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_whole_fault_matrix(fast_stall_runner, kind, position) -> None:
+    _check(fast_stall_runner, kind, position)
