@@ -258,6 +258,15 @@ def _wrap(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return traced
 
 
+def _peer_and_tag(method: str, args: tuple, ranks: list[int]) -> tuple[int | None, int]:
+    """A p2p call's peer as a *global* rank (None: any source) and its tag."""
+    if method == "recv_anysource":
+        return None, int(args[1]) if len(args) > 1 else 0
+    group_peer = int(args[1]) if len(args) > 1 else None
+    tag = int(args[2]) if len(args) > 2 else 0
+    return (ranks[group_peer] if group_peer is not None and group_peer < len(ranks) else group_peer), tag
+
+
 def _log(
     pg: Any, op: str, input_index: int, direction: str, method: str, args: tuple, kwargs: dict, t0: int, t1: int
 ) -> None:
@@ -273,13 +282,7 @@ def _log(
         frame = innermost
     extra: Any = None
     if direction:
-        ranks = _GROUPS[name][0]
-        if method == "recv_anysource":
-            group_peer, tag = None, int(args[1]) if len(args) > 1 else 0
-        else:
-            group_peer = int(args[1]) if len(args) > 1 else None
-            tag = int(args[2]) if len(args) > 2 else 0
-        peer = ranks[group_peer] if group_peer is not None and group_peer < len(ranks) else group_peer
+        peer, tag = _peer_and_tag(method, args, _GROUPS[name][0])
         key = (name, direction, peer, tag)
         with _LOCK:
             seq = _P2P_COUNTS[key] = _P2P_COUNTS.get(key, 0) + 1
@@ -355,12 +358,7 @@ def _journal(pg: Any, op: str, input_index: int, direction: str, method: str, ar
         "call_site": call_site(3), "time_ns": t0, "phase": _PHASE, "step": _STEP, "state": "journal",
     }
     if direction:
-        if method == "recv_anysource":
-            group_peer, tag = None, int(args[1]) if len(args) > 1 else 0
-        else:
-            group_peer = int(args[1]) if len(args) > 1 else None
-            tag = int(args[2]) if len(args) > 2 else 0
-        peer = ranks[group_peer] if group_peer is not None and group_peer < len(ranks) else group_peer
+        peer, tag = _peer_and_tag(method, args, ranks)
         entry.update(is_p2p=True, peer=peer, tag=tag)
     else:
         seq = _JOURNAL_SEQ[name] = _JOURNAL_SEQ.get(name, 0) + 1
