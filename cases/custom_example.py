@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from cases.catalog import mlp_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = mlp_case("adamw")  # harness: the model, data with sample ids, loss and optimizer
 NPROC = 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from cases.hf import hf_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = hf_case("llama", model_loss=True)  # harness: model, dict data with ids, optimizer; loss_fn=None
 NPROC = 2

@@ -1,12 +1,12 @@
 """Correct strategies as bundled diagnosis targets: ``python -m harness diagnose ddp`` must
-PASS. Each entry builds a :class:`harness.target.Target`; ``DEMO_CORRECT`` are the ones the
+PASS. Each entry builds a :class:`harness.targets.target.Target`; ``DEMO_CORRECT`` are the ones the
 bundled demo runs next to the bug catalogue (to show there is no false alarm)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from harness.target import Target
+from harness.targets.target import Target
 
 from .catalog import mlp_case, transformer_case
 from .strategies.ddp import DDPStrategy
@@ -73,7 +73,7 @@ def _dp_pp() -> Target:
 
 
 def _custom_example() -> Target:
-    from harness.target import target_from_module
+    from harness.targets.target import target_from_module
 
     from . import custom_example
 

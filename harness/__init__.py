@@ -5,4 +5,9 @@ The pytest plugin (``harness.pytest_plugin``) runs ``@pytest.mark.distributed`` 
 ranks. Importing this package does not import torch.
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# The package's own directory: frames under it are the harness's, never the user's call site.
+HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -67,7 +67,7 @@ def _echo(quiet: bool):
 
 
 def _write_reports(report: Any, json_path: str | None, html_path: str | None, trace_path: str | None) -> list[str]:
-    from .report import write_chrome_trace, write_html
+    from harness.report import write_chrome_trace, write_html
 
     written = []
     if json_path:
@@ -80,8 +80,8 @@ def _write_reports(report: Any, json_path: str | None, html_path: str | None, tr
 
 
 def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
-    from .report import format_terminal
-    from .target_run import diagnose_target
+    from harness.report import format_terminal
+    from harness.targets.drive import diagnose_target
 
     report = diagnose_target(
         args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
@@ -93,29 +93,17 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
     return report.exit_code
 
 
-def demo_targets() -> list[tuple[str, str | None]]:
-    """(bundled name, expected code or None for a correct strategy), bug cases first."""
-    from cases.bugs import catalogue
-
-    out: list[tuple[str, str | None]] = [(m.rsplit(".", 1)[-1], code) for m, code in catalogue().items()]
-    try:
-        from cases.targets import DEMO_CORRECT
-
-        out += [(name, None) for name in DEMO_CORRECT]
-    except ImportError:
-        pass
-    return out
-
-
 def _demo(args: argparse.Namespace, runner: Any) -> int:
-    from .report import format_terminal
-    from .target_run import diagnose_target
+    from harness.report import format_terminal
+    from harness.targets.drive import diagnose_target
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     echo = _echo(args.quiet)
     rows = []
     started = time.monotonic()
+    from harness.targets.bundled import demo_targets
+
     targets = demo_targets()
     for i, (name, expected) in enumerate(targets, 1):
         echo(f"[{i}/{len(targets)}] {name}")
@@ -136,14 +124,9 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
 
 
 def _list() -> int:
-    from .target import bundled_targets
+    from harness.targets.bundled import bug_codes, bundled_targets
 
-    try:
-        from cases.bugs import catalogue
-
-        codes = {m.rsplit(".", 1)[-1]: c for m, c in catalogue().items()}
-    except ImportError:
-        codes = {}
+    codes = bug_codes()
     for name, module in sorted(bundled_targets().items()):
         print(f"{name:<32} {codes.get(name, '') or ('(alias)' if module.rsplit('.', 1)[-1] in codes else 'correct')}")
     return EXIT_PASS
@@ -164,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc is not None and args.nproc < 1:
         return _usage(parser, f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc is not None:
-        from .launcher import check_world_size
+        from harness.launch.pool import check_world_size
 
         try:
             check_world_size(args.nproc)
@@ -181,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             return _usage(parser, f"{flag} {path}: the folder {folder} does not exist or is not writable")
     sys.path.insert(0, os.getcwd())  # bundled `cases` and the user's own modules resolve from here
-    from .remote import RankRunner
-    from .target import TargetError, load_target
+    from harness.launch.remote import RankRunner
+    from harness.targets.bundled import load_target
+    from harness.targets.target import TargetError
 
     if args.target is not None:
         try:

@@ -1,13 +1,14 @@
 """The diagnosis codes (the product's contract, see README) and the finding type every check
-returns. Checks in :mod:`harness.tracing` and the engine in :mod:`harness.diagnose` speak
+returns. Checks in :mod:`harness.tracing` and the engine in :mod:`harness.analysis.diagnose` speak
 :class:`Diagnosis`; reports render them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CODES", "Diagnosis", "UnknownCodeError"]
+__all__ = ["CODES", "Diagnosis", "UnknownCodeError", "jsonable"]
 
 # code -> one-line meaning. Stable strings: never rename one, only add.
 CODES: dict[str, str] = {
@@ -55,3 +56,17 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "summary": self.summary, "evidence": self.evidence}
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it (evidence, comparison results, reports): dict keys as
+    strings, tuples and sets as lists, non-finite floats as strings, anything else by repr."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)

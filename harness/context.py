@@ -1,4 +1,5 @@
-"""What a distributed test body gets as ``dist_ctx``."""
+"""What a distributed test body gets as ``dist_ctx``, and the one helper that sends a value
+from one rank to every rank."""
 
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def broadcast_object(obj: object, src: int) -> object:
+    """Collective: ``src``'s ``obj`` on every rank (returned as is without a process group or
+    with one rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -9,10 +9,51 @@ are in the mesh, so ``ParallelDims(dp=2, tp=2)`` is a 2x2 mesh named ``("dp", "t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .rank_record import RankLayout
+# Mesh dim names whose groups synchronize data-parallel gradients.
+DP_DIM_NAMES = ("dp", "dp_shard", "dp_replicate", "fsdp", "hsdp", "ddp", "data", "dp_cp", "dp_shard_cp")
+
+def is_dp_dim(name: str) -> bool:
+    """Whether a mesh dim of that name is data-parallel (its groups synchronize gradients)."""
+    return name in DP_DIM_NAMES or name.startswith("dp")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where a rank sits in a parallel run.
+
+    - ``dp_rank`` / ``dp_size``: its data-parallel replica (which samples it consumes);
+    - ``stages``: pipeline stage index of each local model chunk (None: no pipeline), with
+      ``num_stages`` in total;
+    - ``holds_loss``: whether its micro-batch losses are its replica's loss (exactly one rank
+      per replica, e.g. tensor-parallel rank 0 of the last pipeline stage);
+    - ``mesh``: its coordinate per named mesh dim; ``groups``: the ranks of each process group
+      it belongs to, by name. Both are recorded as evidence for the diagnosis.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    stages: tuple[int, ...] | None = None
+    num_stages: int = 1
+    holds_loss: bool = True
+    mesh: Mapping[str, int] = field(default_factory=dict)
+    groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    @classmethod
+    def data_parallel(cls, rank: int, world_size: int) -> "RankLayout":
+        """Plain data parallelism: every rank is its own replica and holds its loss."""
+        return cls(dp_rank=rank, dp_size=world_size, mesh={"dp": rank}, groups={"dp": list(range(world_size))})
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stages"] = list(self.stages) if self.stages is not None else None
+        data["mesh"] = dict(self.mesh)
+        data["groups"] = {k: list(v) for k, v in self.groups.items()}
+        return data
+
+
 
 __all__ = ["DIM_ORDER", "ParallelDims", "ParallelConfigError"]
 

@@ -3,7 +3,7 @@
 Registered through the ``pytest11`` entry point. Two modes:
 
 * spawn (default): the pytest process keeps warm pools of rank workers
-  (``harness.launcher``) and ships each distributed test body to them;
+  (``harness.launch.pool``) and ships each distributed test body to them;
 * in place (under ``torchrun``: RANK, WORLD_SIZE and LOCAL_RANK set): nothing is spawned; every
   torchrun process runs the distributed tests itself as its rank.
 
@@ -40,7 +40,7 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a world size >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a valid world size; it must be >= 1")
-    from .launcher import check_world_size
+    from harness.launch.pool import check_world_size
 
     try:
         check_world_size(value)
@@ -207,7 +207,7 @@ def _spec_for(item: pytest.Item) -> DistSpec | None:
         nproc = config.getoption("nproc")
     elif isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"{where}: nproc={nproc!r} is not allowed; it must be an integer >= 1")
-    from .launcher import check_world_size
+    from harness.launch.pool import check_world_size
 
     try:
         check_world_size(nproc)
@@ -218,19 +218,10 @@ def _spec_for(item: pytest.Item) -> DistSpec | None:
         timeout = config.getoption("dist_timeout")
     elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"{where}: timeout={timeout!r} is not allowed; give seconds > 0")
-    device = config.getoption("dist_device")
-    backend = config.getoption("dist_backend")
-    if device == "auto":
-        device = "cuda" if backend == "nccl" or _cuda_count() >= nproc else "cpu"
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
+    from harness.launch.devices import resolve
+
+    backend, device = resolve(config.getoption("dist_backend"), config.getoption("dist_device"), nproc)
     return DistSpec(nproc=nproc, timeout=float(timeout), backend=backend, device=device)
-
-
-def _cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -245,8 +236,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if spec is None:
         return
     item.stash[_SPEC_KEY] = spec
-    if spec.device == "cuda" and _cuda_count() < spec.nproc:
-        pytest.skip(f"needs {spec.nproc} CUDA devices (one per rank), found {_cuda_count()}")
+    from harness.launch.devices import cuda_count
+
+    if spec.device == "cuda" and cuda_count() < spec.nproc:
+        pytest.skip(f"needs {spec.nproc} CUDA devices (one per rank), found {cuda_count()}")
     item.config.stash[_RUNNER_KEY].setup(item, spec)
 
 
@@ -265,13 +258,13 @@ def dist_ctx(request: pytest.FixtureRequest) -> Any:
 
 @pytest.fixture(scope="session")
 def rank_runner(request: pytest.FixtureRequest) -> Any:
-    """A :class:`harness.remote.RankRunner` on this session's warm pools, for tests that drive
+    """A :class:`harness.launch.remote.RankRunner` on this session's warm pools, for tests that drive
     ranks from the pytest process (one call per Hypothesis example, no spawn). Not marked
     distributed itself; honours --dist-backend / --dist-device."""
     runner = request.config.stash[_RUNNER_KEY]
     if not isinstance(runner, SpawnRunner):
         pytest.skip("rank_runner drives its own ranks; not available under torchrun")
-    from harness.remote import RankRunner
+    from harness.launch.remote import RankRunner
 
     config = request.config
     return RankRunner(runner.manager, backend=config.getoption("dist_backend"), device=config.getoption("dist_device"))
@@ -325,7 +318,7 @@ class SpawnRunner:
     @property
     def manager(self) -> Any:
         if self._manager is None:
-            from harness.launcher import PoolConfig, PoolManager
+            from harness.launch.pool import PoolConfig, PoolManager
 
             self._manager = PoolManager(
                 PoolConfig(
@@ -352,8 +345,8 @@ class SpawnRunner:
         return _RankContextPlaceholder()
 
     def call(self, item: pytest.Function, spec: DistSpec) -> bool:
-        from harness.launcher import PoolKey, PoolStartError
-        from harness.protocol import TestTask
+        from harness.launch.pool import PoolKey, PoolStartError
+        from harness.launch.protocol import TestTask
 
         if item.cls is not None:
             qualname = f"{item.cls.__qualname__}.{item.originalname}"
@@ -396,7 +389,7 @@ class SpawnRunner:
             if text:
                 item.add_report_section("call", f"output rank {rank}", text)
         if outcome.failed:
-            from harness.rank_report import format_failure
+            from harness.launch.failure_text import format_failure
 
             text = format_failure(outcome)
             pytest.fail(text + _left_behind_lines(run_dir, item.nodeid, text, outcome), pytrace=False)
@@ -417,9 +410,9 @@ def _left_behind_lines(run_dir: str, nodeid: str, text: str, outcome: Any) -> st
     """A test that failed or hung inside ``assert_matches_reference`` (which records in the
     test's run folder): the HTML report built from what it recorded before the failure, and
     the folders that hold it. The folder is kept; empty when the test recorded nothing."""
-    from harness.left_behind import failure_report
+    from harness.record.left_behind import failure_report
     from harness.report import write_html
-    from harness.target_run import failure_diagnoses, hang_diagnoses
+    from harness.targets.drive import failure_diagnoses, hang_diagnoses
     from harness.testing import report_path_for
 
     hang = bool(outcome.timed_out)
@@ -466,18 +459,18 @@ class InPlaceRunner:
             )
         import torch.distributed as dist
 
-        from harness import flight_recorder
-        from harness.rank_state import RankState, seed_everything
+        from harness.launch.rank_state import RankState, seed_everything
+        from harness.tracing import dump, fr
 
         if not dist.is_initialized():
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+            os.environ.setdefault(fr.FR_BUFFER_ENV, fr.RANK_FR_BUFFER)
             if spec.device == "cuda":
                 import torch
 
                 torch.cuda.set_device(self.local_rank)
             dist.init_process_group(spec.backend, init_method="env://")
             self.baseline = RankState.capture()
-        self.first_record_id = flight_recorder.last_record_id()
+        self.first_record_id = dump.last_record_id()
         seed_everything(0)
         self.watchdog = threading.Timer(spec.timeout, self._on_timeout, args=(item.nodeid, spec.timeout))
         self.watchdog.daemon = True
@@ -488,12 +481,12 @@ class InPlaceRunner:
         torchrun tears the job down instead of letting CI hang."""
         import faulthandler
 
-        from harness import flight_recorder
+        from harness.tracing import dump, fr
 
         out = sys.__stderr__
         print(f"\n[rank {self.rank}] TIMEOUT after {timeout:g} s in {nodeid}; last collectives:", file=out)
-        for entry in flight_recorder.read_entries(self.first_record_id)[-8:]:
-            print(f"    {flight_recorder.format_entry(entry)}", file=out)
+        for entry in dump.read_entries(self.first_record_id)[-8:]:
+            print(f"    {fr.format_entry(entry)}", file=out)
         print(f"[rank {self.rank}] Python stacks:", file=out)
         faulthandler.dump_traceback(file=out, all_threads=True)
         out.flush()
@@ -511,7 +504,7 @@ class InPlaceRunner:
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
-        from harness.rank_state import release_test_groups
+        from harness.launch.rank_state import release_test_groups
 
         release_test_groups()
         if self.baseline is not None:

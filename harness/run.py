@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from reference.cache import cached_reference
 from reference.case import Case, check_dataset
@@ -22,12 +21,13 @@ from reference.record import Record
 from reference.replay import replay_reference
 from reference.schedule import global_batch_indices
 
-from .compare import CompareResult, compare, trajectory_view
-from .rank_record import RankRecorder
-from .strategy import DistContextLike, Strategy
-from .tolerance import DefaultTolerances, TolerancePolicy, calibrate
-from .tracing import Tracer
-from .tracing.trace import TRACE_FILE
+from harness.context import broadcast_object
+from harness.analysis.compare import CompareResult, compare, trajectory_view
+from harness.record.recorder import RankRecorder
+from harness.strategy import DistContextLike, Strategy
+from harness.analysis.tolerance import DefaultTolerances, TolerancePolicy, calibrate
+from harness.tracing import Tracer
+from harness.tracing.run_trace import TRACE_FILE
 
 __all__ = [
     "COMPARISON_MODES",
@@ -237,14 +237,6 @@ def compare_to_reference(
     return result
 
 
-def _broadcast(obj: object, src: int) -> object:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def run_strategy(
     case: Case,
     strategy: Strategy,
@@ -296,7 +288,7 @@ def run_strategy(
         except Exception as exc:  # every rank must learn of it, not only dst
             error = exc
             payload = ("error", f"{type(exc).__name__}: {exc}")
-    status, value = _broadcast(payload, dst)  # type: ignore[misc]
+    status, value = broadcast_object(payload, dst)  # type: ignore[misc]
     if error is not None:
         raise error
     if status == "error":

@@ -5,7 +5,8 @@ strategy (or a deliberately buggy variant of one) is a few small methods.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -15,7 +16,7 @@ from torch import nn
 from reference.case import Batch, Case, collate
 from reference.schedule import replica_micro_batch_indices
 
-from .rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 __all__ = ["DistContextLike", "RankSetup", "Strategy", "StrategyBase"]
 
@@ -86,11 +87,54 @@ class Strategy(Protocol):
         ...
 
 
+def accumulate_micro_batches(
+    case: Case,
+    setup: RankSetup,
+    micro_batches: list[Batch],
+    *,
+    model: Any = None,
+    grad_reduction: str = "mean",
+    scale: float = 1.0,
+    sync: Callable[[bool], Any] | None = None,
+    forward: Callable[[Any, Batch], torch.Tensor] | None = None,
+) -> list[torch.Tensor | None]:
+    """The micro-batch loop of a strategy: each micro-batch's loss (``forward(model, batch)``,
+    default :meth:`~reference.case.Case.forward_loss`), weighted by
+    :meth:`~reference.case.Case.loss_weight` over the layout's data-parallel replicas (times
+    ``scale``: 1 unless the weighting itself is what a variant changes), then ``backward``;
+    gradients accumulate over the micro-batches. ``sync(last)`` is called before each one and
+    may return a context manager the micro-batch runs in (DDP: ``no_sync()`` on all but the
+    last; FSDP2: ``set_requires_gradient_sync(last)``). Returns the unweighted losses where
+    this rank holds its replica's loss (``layout.holds_loss``), else None."""
+    model = setup.model if model is None else model
+    forward = forward or case.forward_loss
+    losses: list[torch.Tensor | None] = []
+    for i, batch in enumerate(micro_batches):
+        context = sync(i == len(micro_batches) - 1) if sync is not None else None
+        with context if context is not None else contextlib.nullcontext():
+            loss = forward(model, batch)
+            weight = case.loss_weight(len(batch), setup.layout.dp_size, grad_reduction=grad_reduction)
+            (loss * weight * scale if scale != 1.0 else loss * weight).backward()
+        losses.append(loss.detach() if setup.layout.holds_loss else None)
+    return losses
+
+
 class StrategyBase:
     """Defaults shared by most strategies: data follows ``DistributedSampler`` over the
-    layout's data-parallel replicas; the optimizer step is ``optimizer.step()``."""
+    layout's data-parallel replicas; forward and backward are :meth:`accumulate` over the
+    micro-batches; the optimizer step is ``optimizer.step()``."""
 
     name = "strategy"
+
+    def accumulate(self, case: Case, setup: RankSetup, micro_batches: list[Batch], **options: Any) -> list[torch.Tensor | None]:
+        """:func:`accumulate_micro_batches` (its keyword ``options``: ``model``,
+        ``grad_reduction``, ``scale``, ``sync``, ``forward``)."""
+        return accumulate_micro_batches(case, setup, micro_batches, **options)
+
+    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
+        """Every micro-batch's weighted loss backward on ``setup.model`` (no sync of its own:
+        a strategy synchronizes in its model wrapper or overrides this)."""
+        return self.accumulate(case, setup, micro_batches)
 
     def local_batches(self, case: Case, setup: RankSetup, step: int) -> list[Batch]:
         layout = setup.layout

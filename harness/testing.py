@@ -18,13 +18,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from reference.case import Case
 
-from .run import RunResult
-from .strategy import DistContextLike
-from .target import Target
+from harness.context import broadcast_object
+
+from harness.run import RunResult
+from harness.strategy import DistContextLike
+from harness.targets.target import Target
 
 __all__ = ["assert_matches_reference", "report_path_for"]
 
@@ -57,8 +57,8 @@ def assert_matches_reference(
 ) -> RunResult:
     """Collective: train ``strategy``, compare with the reference and, on any difference, fail
     with the diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass."""
-    from .rank_diagnosis import run_and_diagnose
-    from .report import format_terminal, write_html
+    from harness.analysis.diagnosed_run import run_and_diagnose
+    from harness.report import format_terminal, write_html
 
     if steps is not None:
         case = case.replace(steps=steps)
@@ -68,7 +68,7 @@ def assert_matches_reference(
         # (with an HTML report built from what the run left), removed when it passes.
         workdir = os.environ["HARNESS_RUN_DIR"]
         if ctx.rank == dst:
-            from .left_behind import note_run
+            from harness.record.left_behind import note_run
 
             note_run(workdir, test=_current_test() or name, case=case, strategy=strategy.name, nproc=ctx.world_size)
     target = Target(name=_current_test() or name, case=case, strategy=strategy)
@@ -80,10 +80,7 @@ def assert_matches_reference(
         message = format_terminal(run.report) + f"\n  html report: {path}"
         if run.result is not None:
             message += f"\n  records: {run.result.record_path} vs {run.result.reference_path}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [message]
-        dist.broadcast_object_list(box, src=dst)
-        message = box[0]
+    message = broadcast_object(message, dst)
     if message:
         raise AssertionError(message)
     assert run.result is not None

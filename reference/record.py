@@ -302,10 +302,10 @@ class RecordWriter:
         _check_kind(kind)
         if self._done:
             raise RecordError(f"record {self.path} is already finished")
-        if not isinstance(tensor, torch.Tensor) or _is_dtensor(tensor):
+        if not isinstance(tensor, torch.Tensor) or is_dtensor(tensor):
             raise RecordError(
                 f"{kind} {name!r} at step {step}: records hold plain full tensors, got "
-                f"{type(tensor).__name__} (gather it first with harness.gather)"
+                f"{type(tensor).__name__} (gather it first with harness.record.gather)"
             )
         entries = self.step(step).tensors.setdefault(kind, {})
         if name in entries:
@@ -358,7 +358,8 @@ class RecordWriter:
         shutil.rmtree(self._staging, ignore_errors=True)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (False where torch has no distributed support)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed

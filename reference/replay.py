@@ -21,7 +21,7 @@ same random numbers in the same order (loading state draws none), so dropout mas
 
 The same replay with ``source`` = the reference itself and an equivalent
 :class:`~reference.trainer.ReferenceVariant` (float64, another reduction order) measures the
-reference's own one-step noise (:func:`harness.tolerance.calibrate`).
+reference's own one-step noise (:func:`harness.analysis.tolerance.calibrate`).
 """
 
 from __future__ import annotations

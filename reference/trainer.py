@@ -41,7 +41,7 @@ class NonFiniteReferenceError(CaseError):
 @dataclass(frozen=True)
 class ReferenceVariant:
     """A mathematically equivalent way to train the same case, used to measure the
-    reference's own numerical noise (see :mod:`harness.tolerance`).
+    reference's own numerical noise (see :mod:`harness.analysis.tolerance`).
 
     - ``upcast``: start from the case-dtype weights and inputs, then compute in this dtype
       (e.g. float64: the "exact" answer for the case's starting point).

@@ -6,7 +6,7 @@ faulting one for application exceptions).
     python tests/fault_matrix.py            # prints the score table (about a minute on 2 cores)
 
 ``tests/test_fault_matrix.py`` runs one cell per kind in the default suite and the whole
-matrix under ``-m slow``. Blame is :func:`harness.rank_report.culprits`, the ranks the report's
+matrix under ``-m slow``. Blame is :func:`harness.launch.failure_text.culprits`, the ranks the report's
 first lines name; each cell also checks that the report's first line names the injected rank.
 """
 
@@ -64,8 +64,8 @@ class Cell:
 
 
 def run_cell(runner, kind: str, position: str) -> Cell:
-    from harness.rank_report import culprits
-    from harness.remote import RanksFailed
+    from harness.launch.failure_text import culprits
+    from harness.launch.remote import RanksFailed
 
     victim = POSITIONS[position]
     started = time.monotonic()
@@ -85,7 +85,7 @@ def score(runner, kinds=KINDS, positions=tuple(POSITIONS)) -> list[Cell]:
 
 
 def main() -> None:
-    from harness.remote import RankRunner
+    from harness.launch.remote import RankRunner
 
     # The ranks import the body by module name: run it as `fault_matrix`, not `__main__`.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cases import mlp_case
-from harness.compare import compare, compare_tensors
-from harness.tolerance import (
+from harness.analysis.compare import compare, compare_tensors
+from harness.analysis.tolerance import (
     CalibratedTolerances,
     DefaultTolerances,
     Tolerance,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.target_run import diagnose_target
+from harness.targets.drive import diagnose_target
 
 LOOPS = Path(__file__).resolve().parent / "custom_loops"
 

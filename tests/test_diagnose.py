@@ -17,8 +17,9 @@ from cases.bugs import catalogue
 from cases.targets import DEMO_CORRECT
 from harness.codes import CODES
 from harness.report import SCHEMA, chrome_trace, render_html
-from harness.target import TargetError, load_target
-from harness.target_run import diagnose_target
+from harness.targets.bundled import load_target
+from harness.targets.target import TargetError
+from harness.targets.drive import diagnose_target
 
 REPO = Path(__file__).resolve().parents[1]
 BUGS = {module.rsplit(".", 1)[-1]: code for module, code in catalogue().items()}
@@ -49,7 +50,7 @@ def test_correct_targets_pass_without_a_code(rank_runner, reference_cache, tmp_p
 BUGGY_CUSTOM_LOOP = '''
 import torch.distributed as dist
 from cases.catalog import mlp_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = mlp_case("sgd")
 
@@ -149,8 +150,9 @@ def test_the_demo_runs_every_target_and_checks_its_expected_code(rank_runner, re
     import argparse
 
     from harness import cli
+    from harness.targets import bundled
 
-    monkeypatch.setattr(cli, "demo_targets", lambda: [("summed_grads", "grad-not-averaged"), ("ddp", None)])
+    monkeypatch.setattr(bundled, "demo_targets", lambda: [("summed_grads", "grad-not-averaged"), ("ddp", None)])
     args = argparse.Namespace(out=str(tmp_path / "reports"), quiet=True, verbose=False, nproc=None, steps=None, timeout=None, cache=reference_cache,
                               tolerance="auto", comparison="stepwise")
     assert cli._demo(args, rank_runner) == 0
@@ -162,7 +164,7 @@ def test_the_demo_runs_every_target_and_checks_its_expected_code(rank_runner, re
 
 
 def test_demo_targets_are_the_whole_catalogue_plus_correct_strategies() -> None:
-    from harness.cli import demo_targets
+    from harness.targets.bundled import demo_targets
 
     listed = dict(demo_targets())
     assert {n: c for n, c in listed.items() if c} == BUGS
@@ -173,7 +175,7 @@ USER_ERRORS = {
     "raises_on_rank_1": ('''
 import torch.distributed as dist
 from cases.catalog import mlp_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = mlp_case("sgd", steps=2)
 
@@ -295,7 +297,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from cases.catalog import mlp_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = mlp_case("sgd", steps=2)
 NAMES = {"up_w": "fc1.weight", "up_b": "fc1.bias", "down_w": "fc2.weight", "down_b": "fc2.bias"}

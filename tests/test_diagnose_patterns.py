@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cases import mlp_case
-from harness.compare import compare
-from harness.diagnose import diagnose
+from harness.analysis.compare import compare
+from harness.analysis.diagnose import diagnose
 from reference import Record, cached_reference
 from tests._records import rewrite
 

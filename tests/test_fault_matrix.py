@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.remote import RankRunner
+from harness.launch.remote import RankRunner
 
 from fault_matrix import KINDS, POSITIONS, STALL_WINDOW_S, run_cell
 

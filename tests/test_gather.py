@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from cases.models import TwoLayerMLP
-from harness.gather import (
+from harness.record.gather import (
     GatheredTensors,
     GatherError,
     LocalTensor,
@@ -98,7 +98,7 @@ def test_dtensor_on_a_2d_mesh_and_a_hand_shard_along_a_mesh_dim(dist_ctx) -> Non
 
 
 def annotate_shard_spec(t: torch.Tensor):
-    from harness.gather import shard_spec
+    from harness.record.gather import shard_spec
 
     return shard_spec(t)
 

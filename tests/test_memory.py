@@ -10,7 +10,7 @@ from torch import nn
 
 from cases import transformer_case
 from cases.strategies import DDPStrategy, FSDPStrategy, TensorParallelStrategy
-from harness.memory import SavedTensorMeter, format_memory_report, measure_memory
+from harness.record.memory import SavedTensorMeter, format_memory_report, measure_memory
 
 F32 = 4  # bytes
 

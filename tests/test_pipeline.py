@@ -10,7 +10,7 @@ import torch
 from cases import transformer_case
 from cases.models import TinyTransformer
 from cases.strategies import PipelineStrategy, balanced_stage_layers, pipeline_stage_model
-from harness.gather import StageCoverageError
+from harness.record.gather import StageCoverageError
 from harness.parallel_dims import ParallelConfigError, ParallelDims
 from harness.run import run_strategy
 from reference import Record

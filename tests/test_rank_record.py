@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from cases import mlp_case
-from harness.rank_record import RankLayout, RankRecorder, RecorderError
+from harness.parallel_dims import RankLayout
+from harness.record.recorder import RankRecorder, RecorderError
 from harness.run import compare_to_reference
 from reference import collate, replica_micro_batch_indices
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.remote import RanksFailed, RanksHung
+from harness.launch.remote import RanksFailed, RanksHung
 
 
 def summed(ctx, x: int) -> dict:

@@ -43,7 +43,7 @@ BUG_SPACE = dict(
 
 # What the first bf16 + AdamW search on the correct DDP found: at AdamW's first step each
 # parameter moves by +-lr, and a gradient element within bf16 noise of 0 flipped sign in the
-# 3-rank all-reduce, landing attn.o.weight[3, 2] 2 lr from the reference. harness.compare now
+# 3-rank all-reduce, landing attn.o.weight[3, 2] 2 lr from the reference. harness.analysis.compare now
 # accepts exactly that (adaptive_sign_noise); this config keeps it honest on real ranks.
 BF16_ADAMW_SIGN_FLIP = ParallelConfig(
     strategy="ddp", dp=3, global_batch_size=18, micro_batches=2, num_samples=20, steps=1, seq_len=3,
@@ -63,7 +63,7 @@ SHRUNK = ParallelConfig(
 def test_a_hidden_size_that_tp_does_not_divide_is_named() -> None:
     config = ParallelConfig("tp-shaped", dp=1, tp=4, dim=30, heads=4, hidden=8, global_batch_size=2, num_samples=2)
     with pytest.raises(InvalidConfigError) as info:
-        config.validate(TP_SHAPED)
+        search.validate(config, TP_SHAPED)
     assert isinstance(info.value, ParallelConfigError)
     assert "hidden size 30 is not divisible by tp=4" in str(info.value)
     assert "tp-divides-dim" in info.value.constraints
@@ -90,7 +90,7 @@ def test_a_hidden_size_that_tp_does_not_divide_is_named() -> None:
 def test_each_broken_constraint_is_named_with_what_is_allowed(changes, constraint, message) -> None:
     config = ParallelConfig("tp-shaped", global_batch_size=2, num_samples=2, dim=8, heads=2, hidden=8).replace(**changes)
     with pytest.raises(InvalidConfigError) as info:
-        config.validate(TP_SHAPED)
+        search.validate(config, TP_SHAPED)
     assert constraint in info.value.constraints, str(info.value)
     assert message in str(info.value)
 
@@ -98,7 +98,7 @@ def test_each_broken_constraint_is_named_with_what_is_allowed(changes, constrain
 def test_pipeline_constraints_are_named() -> None:
     config = ParallelConfig("pp-shaped", pp=2, layers=3, micro_batches=1, global_batch_size=1, num_samples=1)
     with pytest.raises(InvalidConfigError) as info:
-        config.validate(PP_SHAPED)
+        search.validate(config, PP_SHAPED)
     assert info.value.constraints == ["pp-layers", "micro-batches-cover-stages"]
     assert "layer count 3 is not divisible by pp=2" in str(info.value)
     assert "micro-batches 1 < pp=2" in str(info.value)
@@ -106,11 +106,11 @@ def test_pipeline_constraints_are_named() -> None:
 
 def test_world_sizes_above_the_limit_and_unknown_strategies_are_refused() -> None:
     with pytest.raises(InvalidConfigError, match=r"world size 4 .* exceeds the 2 ranks this search allows"):
-        ParallelConfig("ddp", dp=4, global_batch_size=4, num_samples=4).validate(max_world=2)
+        search.validate(ParallelConfig("ddp", dp=4, global_batch_size=4, num_samples=4), max_world=2)
     with pytest.raises(InvalidConfigError, match="strategy 'nope' is not registered; known: .*ddp"):
-        ParallelConfig("nope").validate()
+        search.validate(ParallelConfig("nope"))
     with pytest.raises(InvalidConfigError, match="hybrid-shaped' needs dp >= 2, got dp=1"):
-        ParallelConfig("hybrid-shaped", dp=1, tp=2, heads=2, dim=4, hidden=2).validate(HYBRID_SHAPED)
+        search.validate(ParallelConfig("hybrid-shaped", dp=1, tp=2, heads=2, dim=4, hidden=2), HYBRID_SHAPED)
 
 
 def test_bad_search_arguments_say_what_is_allowed() -> None:
@@ -137,7 +137,7 @@ def test_generated_configs_are_valid_and_within_the_world_limit(spec: StrategySp
         return
     config = data.draw(parallel_configs(spec, max_world=max_world))
     event(f"world {config.world_size}, dataset {'divides' if config.num_samples % config.dp == 0 else 'does not divide'} dp")
-    assert config.validate(spec, max_world=max_world) is config
+    assert search.validate(config, spec, max_world=max_world) is config
     assert config.world_size <= max_world
     assert config.dp * config.tp * config.pp == config.world_size
     assert config.heads % config.tp == 0 and config.dim % config.tp == 0 and config.hidden % config.tp == 0
@@ -154,7 +154,7 @@ def test_invalid_configs_fail_validation_naming_their_constraint(spec: StrategyS
     bad = data.draw(invalid_configs(spec, max_world=4))
     event(bad.constraint)
     with pytest.raises(InvalidConfigError) as info:
-        bad.config.validate(spec, max_world=4)
+        search.validate(bad.config, spec, max_world=4)
     assert bad.constraint in info.value.constraints, str(info.value)
     assert all(v.message and v.message in str(info.value) for v in info.value.violations)
 
@@ -174,7 +174,7 @@ def test_every_constraint_of_a_strategy_can_be_broken_and_is_named(spec: Strateg
     def check(bad) -> None:
         assert bad.constraint == constraint
         with pytest.raises(InvalidConfigError) as info:
-            bad.config.validate(spec, max_world=4)
+            search.validate(bad.config, spec, max_world=4)
         assert constraint in info.value.constraints, str(info.value)
 
     check()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cases import mlp_case
-from harness.compare import compare
+from harness.analysis.compare import compare
 from harness.run import compare_to_reference
-from harness.tolerance import CalibratedTolerances
+from harness.analysis.tolerance import CalibratedTolerances
 from reference import KINDS, Record, cached_reference
 from reference.replay import replay_reference
 from tests._records import rewrite

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from harness.codes import Diagnosis
-from harness.launcher import RunOutcome
-from harness.protocol import RankDump, RankResult
-from harness.rank_report import format_failure
+from harness.launch.pool import RunOutcome
+from harness.launch.protocol import RankDump, RankResult
+from harness.launch.failure_text import format_failure
 from harness.tracing import (
     CollectiveRecord,
     RankTrace,
@@ -23,7 +23,8 @@ from harness.tracing import (
     diagnose_hang,
     trace_samples,
 )
-from harness.tracing.collectives import compare_ranks, merge, to_entry
+from harness.tracing.records import merge, to_entry
+from harness.tracing.collective_order import compare_ranks
 from harness.tracing.hooks import PyCall
 
 
@@ -269,7 +270,8 @@ def test_collective_sequences_are_aligned_so_an_extra_collective_is_named_with_i
     """Rank 0 issues one all_reduce more (a flag of the same shape and dtype as the next
     gradient's): position by position every later collective would differ; aligned, the extra
     one and its call site are named."""
-    from harness.tracing.collectives import CollectiveRecord, compare_ranks
+    from harness.tracing.records import CollectiveRecord
+    from harness.tracing.collective_order import compare_ranks
 
     def rec(rank: int, seq: int, shape: list[int], site: str, t: int) -> CollectiveRecord:
         return CollectiveRecord(rank=rank, index=seq, op="all_reduce", group="0", group_desc="default_pg", group_ranks=[0, 1],

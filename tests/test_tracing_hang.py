@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.remote import RanksHung
+from harness.launch.remote import RanksHung
 from harness.tracing import diagnose_hang
 
 HANG_TIMEOUT = 4
@@ -147,7 +147,7 @@ CUSTOM_LOOP_EXTRA_FLAG = '''
 import torch
 import torch.distributed as dist
 from cases.catalog import mlp_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = mlp_case("sgd", steps=2)
 TIMEOUT = 8
@@ -183,7 +183,7 @@ def test_a_collective_on_some_ranks_only_is_named_at_its_line_not_the_harness_co
     """Rank 0 all-reduces a flag the other rank never issues; rank 1 goes on into the harness's
     own all_gather (run.before_step). The collective named is rank 0's, at its line - never
     the harness's."""
-    from harness.target_run import diagnose_target
+    from harness.targets.drive import diagnose_target
 
     path = tmp_path / "extra_flag.py"
     path.write_text(CUSTOM_LOOP_EXTRA_FLAG)
@@ -199,7 +199,7 @@ def test_a_rank_that_gloo_aborts_still_names_its_collective_from_its_journal(ran
     """Rank 0 runs one micro-batch more than rank 1; gloo kills rank 0 (SIGABRT) when rank 1's
     gradient all_reduce meets its token count. The dead rank's journal still says what it
     issued: the report names both collectives at their lines, ahead of gloo's own words."""
-    from harness.remote import RanksFailed
+    from harness.launch.remote import RanksFailed
 
     with pytest.raises(RanksFailed) as info:
         rank_runner.run(uneven_micro_batches, nproc=2, timeout=30)

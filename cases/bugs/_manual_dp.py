@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
 from reference.case import Batch, Case
 
@@ -29,10 +29,6 @@ class ManualDataParallel(StrategyBase):
             p.grad /= world_size
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
-        losses: list[torch.Tensor | None] = []
-        for batch in micro_batches:
-            loss = case.forward_loss(setup.model, batch)
-            (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
-            losses.append(loss.detach())
+        losses = self.accumulate(case, setup, micro_batches)
         self.sync_grads(setup.model, setup.layout.dp_size)
         return losses

@@ -7,7 +7,6 @@ by ``1 / accumulation_steps``. Gradients come out accumulation_steps (here 4) ti
 
 from __future__ import annotations
 
-import contextlib
 
 from cases.catalog import mlp_case
 from cases.strategies.ddp import DDPStrategy
@@ -21,15 +20,9 @@ class UndividedAccumulation(DDPStrategy):
     name = "ddp-accumulation-undivided"
 
     def forward_backward(self, case, setup, micro_batches):
-        losses = []
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else setup.model.no_sync():
-                loss = case.forward_loss(setup.model, batch)
-                # BUG: the weight is the one of a whole replica batch, not of one of its 4 micro-batches
-                (loss * case.loss_weight(len(batch) * len(micro_batches), setup.layout.dp_size)).backward()
-            losses.append(loss.detach())
-        return losses
+        # BUG: the weight is the one of a whole replica batch, not of one of its micro-batches
+        return self.accumulate(case, setup, micro_batches, scale=len(micro_batches),
+                               sync=lambda last: None if last else setup.model.no_sync())
 
 
 STRATEGY = UndividedAccumulation

@@ -21,14 +21,12 @@ class AutocastDDP(DDPStrategy):
     name = "ddp-autocast-bf16"
 
     def forward_backward(self, case, setup, micro_batches):
-        losses = []
-        for batch in micro_batches:
+        def forward(model, batch):
             with torch.autocast(setup.device.type, dtype=torch.bfloat16):  # BUG: reference is fp32
-                out = case.call_model(setup.model, batch.inputs)
-            loss = case.compute_loss(out.float(), batch.targets)
-            (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
-            losses.append(loss.detach())
-        return losses
+                out = case.call_model(model, batch.inputs)
+            return case.compute_loss(out.float(), batch.targets)
+
+        return self.accumulate(case, setup, micro_batches, forward=forward)
 
 
 STRATEGY = AutocastDDP

@@ -21,13 +21,7 @@ class DoubleAveragedDDP(DDPStrategy):
     name = "ddp-double-averaged"
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]):
-        losses = []
-        for batch in micro_batches:
-            loss = case.forward_loss(setup.model, batch)
-            weight = case.loss_weight(len(batch), setup.layout.dp_size)
-            (loss * weight / setup.layout.dp_size).backward()  # BUG: DDP averages already
-            losses.append(loss.detach())
-        return losses
+        return self.accumulate(case, setup, micro_batches, scale=1 / setup.layout.dp_size)  # BUG: DDP averages already
 
 
 STRATEGY = DoubleAveragedDDP

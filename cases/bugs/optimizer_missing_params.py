@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cases.catalog import mlp_case
 from cases.strategies.ddp import DDPStrategy
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 from harness.strategy import RankSetup
 
 EXPECTED_CODE = "state-structure"

@@ -40,11 +40,7 @@ class SwappedGroupsDPxTP(StrategyBase):
                          device=ctx.device, state={"dp_group": dp_group, "mesh": mesh})
 
     def forward_backward(self, case, setup, micro_batches):
-        losses = []
-        for batch in micro_batches:
-            loss = case.forward_loss(setup.model, batch)
-            (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
-            losses.append(loss.detach() if setup.layout.holds_loss else None)
+        losses = self.accumulate(case, setup, micro_batches)
         for p in setup.model.parameters():
             dist.all_reduce(p.grad, group=setup.state["dp_group"])
             p.grad /= setup.layout.dp_size

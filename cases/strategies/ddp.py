@@ -9,12 +9,11 @@ all-reduced once per step.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
 from reference.case import Batch, Case
 
@@ -38,11 +37,5 @@ class DDPStrategy(StrategyBase):
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
         ddp = setup.model
         assert isinstance(ddp, DistributedDataParallel)
-        losses: list[torch.Tensor | None] = []
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                loss = case.forward_loss(ddp, batch)
-                (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
-            losses.append(loss.detach())
-        return losses
+        # DDP's reducer all-reduces during the last micro-batch's backward only.
+        return self.accumulate(case, setup, micro_batches, sync=lambda last: None if last else ddp.no_sync())

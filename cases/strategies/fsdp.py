@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from harness.parallel_dims import ParallelDims
-from harness.strategy import DistContextLike, RankSetup, StrategyBase
+from harness.strategy import DistContextLike, RankSetup, StrategyBase, accumulate_micro_batches
 from reference.case import Batch, Case
 
 __all__ = ["FSDPStrategy", "apply_fsdp", "blocks_of_class", "fsdp_units", "repeated_blocks", "run_accumulating", "sum_gradients"]
@@ -124,15 +124,9 @@ def run_accumulating(case: Case, setup: RankSetup, micro_batches: list[Batch]) -
     model = setup.model
     if not isinstance(model, FSDPModule):
         raise TypeError(f"run_accumulating needs a fully_shard-ed root module, got {type(model).__name__}")
-    losses: list[torch.Tensor | None] = []
-    grad_reduction = setup.state.get("grad_reduction", "mean")
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        model.set_requires_gradient_sync(last)
-        loss = case.forward_loss(model, batch)
-        (loss * case.loss_weight(len(batch), setup.layout.dp_size, grad_reduction=grad_reduction)).backward()
-        losses.append(loss.detach() if setup.layout.holds_loss else None)
-    return losses
+    # Reduce-scatter only in the last micro-batch's backward.
+    return accumulate_micro_batches(case, setup, micro_batches, grad_reduction=setup.state.get("grad_reduction", "mean"),
+                                    sync=model.set_requires_gradient_sync)
 
 
 def sum_gradients(model: nn.Module) -> None:

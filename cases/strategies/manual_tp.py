@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness.gather import annotate_shard
+from harness.record.gather import annotate_shard
 from harness.parallel_dims import ParallelDims
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
-from reference.case import Batch, Case
+from reference.case import Case
 
 __all__ = ["ColumnParallelLinear", "ManualTPMLP", "ManualTensorParallel", "RowParallelLinear", "copy_to_group", "reduce_from_group"]
 
@@ -129,10 +129,3 @@ class ManualTensorParallel(StrategyBase):
         model = ManualTPMLP(full, group, ctx.rank, ctx.world_size, self.row_cls)
         return RankSetup(model=model, optimizer=case.build_optimizer(model.parameters()), layout=dims.layout(ctx.rank), device=ctx.device)
 
-    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
-        losses: list[torch.Tensor | None] = []
-        for batch in micro_batches:
-            loss = case.forward_loss(setup.model, batch)
-            (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
-            losses.append(loss.detach())
-        return losses

@@ -28,7 +28,6 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar, Union
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -42,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 from cases.models import TinyTransformer, TwoLayerMLP
 from harness.parallel_dims import ParallelConfigError, ParallelDims
 from harness.strategy import DistContextLike, RankSetup, StrategyBase
-from reference.case import Batch, Case
+from reference.case import Case
 
 __all__ = [
     "TensorParallelStrategy",
@@ -50,7 +49,6 @@ __all__ = [
     "check_tensor_parallel",
     "colwise",
     "expand_plan",
-    "replica_forward_backward",
     "rowwise",
     "tensor_parallel_plan",
 ]
@@ -152,21 +150,6 @@ def apply_tensor_parallel(model: M, tp_mesh: DeviceMesh, plan: Plan | None = Non
     return model
 
 
-def replica_forward_backward(case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
-    """Forward and backward of each micro-batch on the whole model, weighted so that gradients
-    averaged over the layout's dp replicas are those of the global-batch mean loss. Returns the
-    unweighted losses where this rank holds the loss (tp rank 0), else None."""
-    model = setup.model
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"replica_forward_backward needs one nn.Module, got {type(model).__name__}")
-    losses: list[torch.Tensor | None] = []
-    for batch in micro_batches:
-        loss = case.forward_loss(model, batch)
-        (loss * case.loss_weight(len(batch), setup.layout.dp_size)).backward()
-        losses.append(loss.detach() if setup.layout.holds_loss else None)
-    return losses
-
-
 class TensorParallelStrategy(StrategyBase):
     """Pure tensor parallelism over all ranks (tp = world size): every rank sees the whole
     batch and holds ``1/tp`` of each block's attention heads and MLP columns."""
@@ -189,5 +172,3 @@ class TensorParallelStrategy(StrategyBase):
         apply_tensor_parallel(model, mesh, self.plan(model))
         return RankSetup.on_mesh(case, ctx, model, dims, mesh)
 
-    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list[Batch]) -> list[torch.Tensor | None]:
-        return replica_forward_backward(case, setup, micro_batches)

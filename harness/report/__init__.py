@@ -1,10 +1,10 @@
 """Reports of a diagnosis: terminal text, JSON (schema in :mod:`.model`), self-contained HTML
 and a Chrome-trace timeline of the collectives."""
 
-from .chrome_trace import chrome_trace, write_chrome_trace
-from .html import render_html, write_html
-from .model import SCHEMA, DiagnosisReport, build_report
-from .terminal import format_terminal
+from harness.report.chrome_trace import chrome_trace, write_chrome_trace
+from harness.report.html import render_html, write_html
+from harness.report.model import SCHEMA, DiagnosisReport, build_report
+from harness.report.terminal import format_terminal
 
 __all__ = [
     "SCHEMA",

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .html import _divergence_positions
-from .model import DiagnosisReport
+from harness.report.html import _divergence_positions
+from harness.report.model import DiagnosisReport
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .model import DiagnosisReport
+from harness.report.model import DiagnosisReport
 
 __all__ = ["render_html", "write_html"]
 

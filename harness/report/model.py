@@ -30,29 +30,16 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..codes import Diagnosis
-from ..diagnose import Verdict, verdict_for
+from harness.codes import Diagnosis, jsonable
+from harness.analysis.diagnose import Verdict, verdict_for
 
 __all__ = ["SCHEMA", "DiagnosisReport", "build_report"]
 
 SCHEMA = "harness-diagnosis/1"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value)
 
 
 @dataclass
@@ -83,7 +70,7 @@ class DiagnosisReport:
         return {"pass": 0, "fail": 1, "hang": 3, "error": 1}[self.verdict.verdict]
 
     def to_json(self) -> dict[str, Any]:
-        return _jsonable(
+        return jsonable(
             {
                 "schema": SCHEMA,
                 "verdict": self.verdict.verdict,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .model import DiagnosisReport
+from harness.report.model import DiagnosisReport
 
 __all__ = ["format_evidence", "format_terminal"]
 

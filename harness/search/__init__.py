@@ -16,8 +16,9 @@ Pieces:
 
 * :class:`ParallelConfig`: world size and named mesh dims (``pp, dp, tp``), global batch,
   micro-batches, dataset size, steps, the tiny transformer's sizes, dtype, optimizer and the
-  strategy's own options. :meth:`ParallelConfig.validate` names every constraint that fails
-  ("tp-divides-dim: hidden size 30 is not divisible by tp=4").
+  strategy's own options. :func:`validate` names every constraint a config fails
+  ("tp-divides-dim: hidden size 30 is not divisible by tp=4"); :func:`case_for` is the case
+  it trains.
 * :class:`StrategySpec` and the registry (:func:`register_strategy`, :func:`get_spec`): which
   mesh dims a strategy uses and what it needs (tp divides heads / hidden size / MLP width,
   pp divides the layers, at least pp micro-batches, ...).
@@ -37,10 +38,14 @@ results; cases, strategies and the reference are built on the ranks.
 The package, one job per module (everything public is re-exported here, so
 ``from harness.search import X`` works for all of it):
 
-* :mod:`harness.search.config`: :class:`ParallelConfig`, :class:`Constraint` and the built-in
-  constraints, :class:`Violation` / :class:`InvalidConfigError`;
-* :mod:`harness.search.registry`: :class:`StrategySpec`, :func:`constraints_for`, the registry
-  and the built-in strategies (their ``build_*`` factories);
+* :mod:`harness.search.config`: :class:`ParallelConfig` (values only), :class:`Violation` /
+  :class:`InvalidConfigError`;
+* :mod:`harness.search.constraints`: :class:`Constraint`, the built-in constraints and
+  :func:`constraints_for`;
+* :mod:`harness.search.registry`: :class:`StrategySpec`, the registry of strategies and
+  optimizer names, :func:`validate` / :func:`violations`;
+* :mod:`harness.search.builtins`: the bundled strategies (their ``build_*`` factories) and
+  optimizers registered, :func:`case_for` (the one module here that names ``cases``);
 * :mod:`harness.search.generate`: the Hypothesis strategies :func:`parallel_configs` and
   :func:`invalid_configs`;
 * :mod:`harness.search.property`: examples on the warm pool (:func:`run_example`,
@@ -50,23 +55,28 @@ The package, one job per module (everything public is re-exported here, so
 
 from __future__ import annotations
 
-from .config import COMMON_CONSTRAINTS as COMMON_CONSTRAINTS
-from .config import (
-    DTYPES,
-    OPTIMIZER_NAMES,
-    Constraint,
-    InvalidConfigError,
-    ParallelConfig,
-    Violation,
-)
-from .config import MAX_SEQ_LEN as MAX_SEQ_LEN
-from .config import MICRO_CONSTRAINT as MICRO_CONSTRAINT
-from .config import PP_CONSTRAINTS as PP_CONSTRAINTS
-from .config import TP_CONSTRAINTS as TP_CONSTRAINTS
-from .config import CheckFn as CheckFn
-from .config import ViolateFn as ViolateFn
-from .generate import InvalidConfig, invalid_configs, parallel_configs
-from .property import (
+from harness.search import builtins as builtins  # registers the bundled strategies and optimizers
+from harness.search.builtins import build_ddp as build_ddp
+from harness.search.builtins import build_ddp_tp as build_ddp_tp
+from harness.search.builtins import build_fsdp as build_fsdp
+from harness.search.builtins import build_fsdp_tp as build_fsdp_tp
+from harness.search.builtins import build_pipeline as build_pipeline
+from harness.search.builtins import build_tp as build_tp
+from harness.search.builtins import case_for
+from harness.search.config import DTYPES, InvalidConfigError, ParallelConfig, Violation
+from harness.search.config import INT_FIELDS as INT_FIELDS
+from harness.search.config import MAX_SEQ_LEN as MAX_SEQ_LEN
+from harness.search.constraints import COMMON_CONSTRAINTS as COMMON_CONSTRAINTS
+from harness.search.constraints import MICRO_CONSTRAINT as MICRO_CONSTRAINT
+from harness.search.constraints import PP_CONSTRAINTS as PP_CONSTRAINTS
+from harness.search.constraints import TP_CONSTRAINTS as TP_CONSTRAINTS
+from harness.search.constraints import CheckFn as CheckFn
+from harness.search.constraints import Constraint, constraints_for
+from harness.search.constraints import ViolateFn as ViolateFn
+from harness.search.constraints import check as check
+from harness.search.constraints import covers_stages as covers_stages
+from harness.search.generate import InvalidConfig, invalid_configs, parallel_configs
+from harness.search.property import (
     EXAMPLE_DEADLINE,
     ConfigCrashed,
     ConfigFailure,
@@ -82,29 +92,25 @@ from .property import (
     smallest_config,
     warm_up,
 )
-from .property import RANK_TIMEOUT_S as RANK_TIMEOUT_S
-from .property import noop as noop
-from .property import run_example as run_example
-from .registry import (
+from harness.search.property import RANK_TIMEOUT_S as RANK_TIMEOUT_S
+from harness.search.property import noop as noop
+from harness.search.property import run_example as run_example
+from harness.search.registry import (
     StrategySpec,
     available_strategies,
-    constraints_for,
     get_spec,
+    optimizer_names,
+    register_optimizers,
     register_strategy,
+    validate,
+    violations,
 )
-from .registry import build_ddp as build_ddp
-from .registry import build_ddp_tp as build_ddp_tp
-from .registry import build_fsdp as build_fsdp
-from .registry import build_fsdp_tp as build_fsdp_tp
-from .registry import build_pipeline as build_pipeline
-from .registry import build_tp as build_tp
 
 # The documented API (``from harness.search import *``); the constraint tables, MAX_SEQ_LEN,
 # RANK_TIMEOUT_S, the build_* factories and run_example / noop are importable from here too.
 __all__ = [
     "DTYPES",
     "EXAMPLE_DEADLINE",
-    "OPTIMIZER_NAMES",
     "ConfigCrashed",
     "ConfigFailure",
     "ConfigMismatch",
@@ -119,15 +125,20 @@ __all__ = [
     "assert_config_matches",
     "assert_matches_reference_for_all",
     "available_strategies",
+    "case_for",
     "check_config",
     "constraints_for",
     "example_deadline",
     "get_spec",
     "given_configs",
+    "optimizer_names",
     "invalid_configs",
     "parallel_configs",
+    "register_optimizers",
     "register_strategy",
     "search_settings",
     "smallest_config",
+    "validate",
+    "violations",
     "warm_up",
 ]

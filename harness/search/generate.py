@@ -5,6 +5,8 @@ for testing error messages)."""
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
@@ -15,9 +17,10 @@ from hypothesis import assume, reject
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from ..parallel_dims import DIM_ORDER
-from .config import MAX_SEQ_LEN, Constraint, ParallelConfig, _covers_stages, _prod
-from .registry import StrategySpec, constraints_for, get_spec
+from harness.parallel_dims import DIM_ORDER
+from harness.search.config import MAX_SEQ_LEN, ParallelConfig
+from harness.search.constraints import Constraint, constraints_for, covers_stages
+from harness.search.registry import StrategySpec, get_spec, violations
 
 __all__ = ["InvalidConfig", "invalid_configs", "parallel_configs"]
 
@@ -36,7 +39,7 @@ def _factorizations(world: int, spec: StrategySpec, min_degree: Mapping[str, int
     out = []
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     for combo in itertools.product(divisors, repeat=len(spec.dims)):
-        if _prod(combo) != world:
+        if math.prod(combo) != world:
             continue
         degrees = dict(zip(spec.dims, combo))
         if all(degrees[d] >= lows[d] for d in spec.dims):
@@ -106,7 +109,7 @@ def parallel_configs(
         raise ValueError(
             f"parallel_configs: {spec.name!r} cannot run on {min_world}..{max_world} ranks: it needs "
             + ", ".join(f"{d} >= {v}" for d, v in needs.items())
-            + f" (at least {_prod(needs.values())} ranks); raise max_world"
+            + f" (at least {math.prod(needs.values())} ranks); raise max_world"
         )
     extra_names = {c.name for c in spec.extra}
 
@@ -126,7 +129,7 @@ def parallel_configs(
             options = tuple(_pick(draw, fixed, "options", st.just(())))
         else:
             options = tuple((k, draw(st.sampled_from(v))) for k, v in sorted(spec.options.items()))
-        lo = pp if _covers_stages(spec, options) else 1
+        lo = pp if covers_stages(spec, options) else 1
         micro = _pick(draw, fixed, "micro_batches", st.integers(lo, max(lo, max_micro_batches)))
         per = draw(st.integers(1, max_micro_batch_size))
         batch = _pick(draw, fixed, "global_batch_size", st.just(dp * micro * per))
@@ -143,13 +146,13 @@ def parallel_configs(
         seq_len = _pick(draw, fixed, "seq_len", st.integers(1, max_seq_len))
         vocab = _pick(draw, fixed, "vocab", st.just(16))
         dtype = _pick(draw, fixed, "dtype", st.sampled_from(spec.dtypes))
-        optimizer = _pick(draw, fixed, "optimizer", st.sampled_from(spec.optimizers))
+        optimizer = _pick(draw, fixed, "optimizer", st.sampled_from(spec.allowed_optimizers))
         config = ParallelConfig(
             strategy=spec.name, dp=dp, tp=tp, pp=pp, global_batch_size=batch, micro_batches=micro,
             num_samples=num_samples, steps=steps, seq_len=seq_len, dim=dim, heads=heads, hidden=hidden,
             layers=layers, vocab=vocab, dtype=dtype, optimizer=optimizer, options=options,
         )
-        found = config.violations(spec, max_world=max_world)
+        found = violations(config, spec, max_world=max_world)
         if found:
             if not fixed and any(v.constraint not in extra_names for v in found):
                 # the construction above is meant to meet every built-in constraint

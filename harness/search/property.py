@@ -26,16 +26,18 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.strategies import SearchStrategy
 
-from ..parallel_dims import ParallelConfigError
-from .config import ParallelConfig, _covers_stages
-from .generate import _factorizations, _worlds, parallel_configs
-from .registry import StrategySpec, get_spec
+from harness.parallel_dims import ParallelConfigError
+from harness.search.builtins import case_for
+from harness.search.config import ParallelConfig
+from harness.search.constraints import covers_stages
+from harness.search.generate import _factorizations, _worlds, parallel_configs
+from harness.search.registry import StrategySpec, get_spec, validate
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..codes import Diagnosis
-    from ..remote import RankRunner
-    from ..run import RunResult
-    from ..strategy import DistContextLike, Strategy
+    from harness.codes import Diagnosis
+    from harness.launch.remote import RankRunner
+    from harness.run import RunResult
+    from harness.strategy import DistContextLike, Strategy
 
 __all__ = [
     "EXAMPLE_DEADLINE",
@@ -86,12 +88,12 @@ def run_example(
 ) -> RunResult | None:
     """On each rank: build the case and the strategy from ``config`` and run it against the
     reference. Returns the :class:`RunResult` on rank 0 (None elsewhere)."""
-    from ..run import run_strategy
+    from harness.run import run_strategy
 
     if ctx.world_size != config.world_size:
         raise ParallelConfigError(f"config needs {config.world_size} ranks ({config.describe()}), running on {ctx.world_size}")
     strategy = factory(config)
-    result = run_strategy(config.case(), strategy, ctx, workdir=workdir, cache=cache, tolerance=tolerance)
+    result = run_strategy(case_for(config), strategy, ctx, workdir=workdir, cache=cache, tolerance=tolerance)
     return result if ctx.rank == 0 else None
 
 
@@ -168,13 +170,10 @@ class ConfigCrashed(ConfigFailure):
 
 
 def _diagnose(result: RunResult) -> tuple[list[Diagnosis], str]:
-    """The diagnosis engine's codes for ``result`` when :mod:`harness.diagnose` provides
-    ``diagnose_result``; otherwise none, with the reason (the report then shows the first
-    divergence)."""
-    try:
-        from ..diagnose import diagnose_result  # type: ignore[attr-defined]
-    except ImportError as exc:
-        return [], f"no diagnosis engine: {exc}"
+    """The diagnosis engine's codes for ``result``, or none with the reason when the engine
+    fails (the report then shows the first divergence)."""
+    from harness.analysis.diagnose import diagnose_result
+
     try:
         return list(diagnose_result(result)), "diagnosed"
     except Exception as exc:  # noqa: BLE001 - a broken engine must not hide the mismatch
@@ -205,7 +204,7 @@ def check_config(
     spec, factory = _factory_of(strategy)
     if config.strategy != spec.name:
         config = config.replace(strategy=spec.name)
-    config.validate(spec, max_world=max_world)
+    validate(config, spec, max_world=max_world)
     own_workdir = workdir is None  # a passing example's records are removed, a failing one's kept
     workdir = tempfile.mkdtemp(prefix=f"harness-search-{spec.name}-") if own_workdir else workdir
     start = time.perf_counter()
@@ -248,12 +247,12 @@ def smallest_config(strategy: str | StrategySpec, world_size: int) -> ParallelCo
     g = choices[0]
     dp, tp, pp = (g.get(d, 1) for d in ("dp", "tp", "pp"))
     options = tuple((k, v[0]) for k, v in sorted(spec.options.items()))
-    micro = pp if _covers_stages(spec, options) else 1
+    micro = pp if covers_stages(spec, options) else 1
     batch = dp * micro
     return ParallelConfig(
         strategy=spec.name, dp=dp, tp=tp, pp=pp, global_batch_size=batch, micro_batches=micro, num_samples=batch,
         steps=1, seq_len=1, dim=tp * -(-4 // tp), heads=tp, hidden=tp, layers=pp, dtype=spec.dtypes[0],
-        optimizer=spec.optimizers[0], options=options,
+        optimizer=spec.allowed_optimizers[0], options=options,
     )
 
 
@@ -269,7 +268,7 @@ def warm_up(
     once, so pool start-up and first-use imports (DDP pulls in torch._dynamo: seconds per
     rank) never count against an example's deadline. A smallest config that fails or
     mismatches is left for the search to find. Returns seconds per world size."""
-    from ..remote import RanksFailed
+    from harness.launch.remote import RanksFailed
 
     spec = get_spec(strategy)
     took = {}
@@ -371,7 +370,7 @@ def assert_matches_reference_for_all(
     ``--hypothesis-seed`` applies as for any ``@given`` test, and ``seed`` fixes the search like
     ``@hypothesis.seed`` (which, like ``derandomize``, turns the database off). ``warm=False``
     skips :func:`warm_up`. Returns a :class:`SearchReport`."""
-    from ..remote import RanksFailed, RanksHung
+    from harness.launch.remote import RanksFailed, RanksHung
 
     spec = get_spec(strategy)
     space_kwargs = {k: v for k, v in space.items()}

@@ -1,45 +1,36 @@
 """The strategy registry: :class:`StrategySpec` (which mesh dims a strategy uses, what it needs
-from a config and the factory that builds it on the ranks), :func:`constraints_for` (the
-constraints a config must meet for a spec), :func:`register_strategy` / :func:`get_spec` /
-:func:`available_strategies`, and the built-in strategies (``build_*`` factories, module-level
-so they pickle to the ranks by name)."""
+from a config and the factory that builds it on the ranks), :func:`register_strategy` /
+:func:`get_spec` / :func:`available_strategies`, the optimizer names a config may use
+(:func:`register_optimizers`), and :func:`violations` / :func:`validate` of a config against
+its strategy's constraints. It holds what it is given: the bundled strategies and optimizers
+are registered by :mod:`harness.search.builtins`."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..parallel_dims import DIM_ORDER
-from .config import (
-    COMMON_CONSTRAINTS,
-    DTYPES,
-    MICRO_CONSTRAINT,
-    OPTIMIZER_NAMES,
-    PP_CONSTRAINTS,
-    TP_CONSTRAINTS,
-    Constraint,
-    ParallelConfig,
-    _prod,
-)
+import math
+
+from harness.parallel_dims import DIM_ORDER
+from harness.search.config import DTYPES, InvalidConfigError, ParallelConfig, Violation
+from harness.search.constraints import Constraint, check, constraints_for
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..strategy import Strategy
+    from harness.strategy import Strategy
 
 __all__ = [
     "StrategySpec",
     "available_strategies",
-    "build_ddp",
-    "build_ddp_tp",
-    "build_fsdp",
-    "build_fsdp_tp",
-    "build_pipeline",
-    "build_tp",
     "constraints_for",
     "get_spec",
+    "optimizer_names",
+    "register_optimizers",
     "register_strategy",
+    "validate",
+    "violations",
 ]
 
 
@@ -65,7 +56,7 @@ class StrategySpec:
     dims: tuple[str, ...] = ("dp",)
     min_degree: Mapping[str, int] = field(default_factory=dict)
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float64")
-    optimizers: tuple[str, ...] = OPTIMIZER_NAMES
+    optimizers: tuple[str, ...] | None = None  # None: every registered optimizer
     options: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     pp_layers: str = "at_least"
     micro_batches_cover_stages: bool | Callable[[dict[str, Any]], bool] = True
@@ -84,8 +75,8 @@ class StrategySpec:
         unknown = [d for d in self.dtypes if d not in DTYPES]
         if not self.dtypes or unknown:
             raise ValueError(f"{where}: dtypes {self.dtypes!r} must be a non-empty subset of {DTYPES}")
-        if not self.optimizers or any(o not in OPTIMIZER_NAMES for o in self.optimizers):
-            raise ValueError(f"{where}: optimizers {self.optimizers!r} must be a non-empty subset of {OPTIMIZER_NAMES}")
+        if self.optimizers is not None and not self.optimizers:
+            raise ValueError(f"{where}: optimizers must be None (every registered optimizer) or a non-empty tuple of names")
         if self.pp_layers not in ("at_least", "divisible"):
             raise ValueError(f"{where}: pp_layers must be 'at_least' or 'divisible', got {self.pp_layers!r}")
         for key, choices in self.options.items():
@@ -96,28 +87,30 @@ class StrategySpec:
 
     @property
     def min_world(self) -> int:
-        return _prod(self.min_degree.get(d, 1) for d in self.dims)
+        return math.prod(self.min_degree.get(d, 1) for d in self.dims)
+
+    @property
+    def allowed_optimizers(self) -> tuple[str, ...]:
+        """The optimizer names a config of this strategy may use."""
+        return self.optimizers if self.optimizers is not None else optimizer_names()
 
     def derive(self, name: str, factory: Callable[[ParallelConfig], Strategy], **changes: Any) -> StrategySpec:
         """The same requirements for another strategy, e.g. a deliberately buggy variant."""
         return dataclasses.replace(self, name=name, factory=factory, **changes)
 
 
-def constraints_for(spec: StrategySpec, *, max_world: int | None = None) -> list[Constraint]:
-    """The constraints a config must meet for ``spec``, in the order they are checked."""
-    out = [c for c in COMMON_CONSTRAINTS if max_world is not None or c.name != "world-size-limit"]
-    if "tp" in spec.dims:
-        out += TP_CONSTRAINTS
-    if "pp" in spec.dims:
-        out += PP_CONSTRAINTS
-        if spec.micro_batches_cover_stages is not False:
-            out.append(MICRO_CONSTRAINT)
-    return out + list(spec.extra)
-
-
 _REGISTRY: dict[str, StrategySpec] = {}
-# name -> loader returning the spec, or None while its module does not import (checked on lookup)
-_LAZY: dict[str, Callable[[], StrategySpec | None]] = {}
+_OPTIMIZERS: list[str] = []
+
+
+def register_optimizers(names: tuple[str, ...] | list[str]) -> None:
+    """Add optimizer names a config may use (those of the case catalogue it builds from)."""
+    _OPTIMIZERS.extend(n for n in names if n not in _OPTIMIZERS)
+
+
+def optimizer_names() -> tuple[str, ...]:
+    """Every registered optimizer name, in registration order."""
+    return tuple(_OPTIMIZERS)
 
 
 def register_strategy(spec: StrategySpec, *, replace: bool = False) -> StrategySpec:
@@ -128,18 +121,8 @@ def register_strategy(spec: StrategySpec, *, replace: bool = False) -> StrategyS
     return spec
 
 
-def _load_lazy() -> None:
-    for name, loader in list(_LAZY.items()):
-        if name in _REGISTRY:
-            continue
-        spec = loader()
-        if spec is not None:
-            _REGISTRY[name] = spec
-
-
 def available_strategies() -> list[str]:
-    """Names of the registered strategies whose implementation imports here."""
-    _load_lazy()
+    """Names of the registered strategies."""
     return sorted(_REGISTRY)
 
 
@@ -147,8 +130,6 @@ def get_spec(strategy: str | StrategySpec) -> StrategySpec:
     """The registered :class:`StrategySpec` of ``strategy`` (a spec passes through)."""
     if isinstance(strategy, StrategySpec):
         return strategy
-    if strategy not in _REGISTRY:
-        _load_lazy()
     try:
         return _REGISTRY[strategy]
     except KeyError:
@@ -158,89 +139,24 @@ def get_spec(strategy: str | StrategySpec) -> StrategySpec:
         ) from None
 
 
-# The built-in strategies. Factories are module-level so they pickle to the ranks; a strategy
-# whose module does not import here (not written yet, or broken) is simply not searchable.
+def violations(config: ParallelConfig, spec: StrategySpec | None = None, *, max_world: int | None = None) -> list[Violation]:
+    """Every constraint ``config`` breaks for ``spec`` (default: the registered spec of its
+    strategy), in the order they are declared; empty when it is valid."""
+    return check(config, spec if spec is not None else get_spec(config.strategy), max_world=max_world)
 
 
-def build_ddp(config: ParallelConfig) -> Strategy:
-    from cases.strategies.ddp import DDPStrategy
-
-    return DDPStrategy()
-
-
-def build_fsdp(config: ParallelConfig) -> Strategy:
-    from cases.strategies.fsdp import FSDPStrategy
-
-    return FSDPStrategy(reshard_after_forward=config.option_dict.get("reshard_after_forward", True))
-
-
-def build_pipeline(config: ParallelConfig) -> Strategy:
-    from cases.strategies.pipeline import PipelineStrategy
-
-    opts = config.option_dict
-    return PipelineStrategy(opts.get("schedule", "gpipe"), pp=config.pp, tp=config.tp, dp_mode=opts.get("dp_mode", "fsdp"))
-
-
-def build_tp(config: ParallelConfig) -> Strategy:
-    from cases.strategies.tp import TensorParallelStrategy
-
-    return TensorParallelStrategy()
-
-
-def build_ddp_tp(config: ParallelConfig) -> Strategy:
-    from cases.strategies.hybrid import DDPTensorParallelStrategy
-
-    return DDPTensorParallelStrategy(tp=config.tp)
-
-
-def build_fsdp_tp(config: ParallelConfig) -> Strategy:
-    from cases.strategies.hybrid import FSDPTensorParallelStrategy
-
-    return FSDPTensorParallelStrategy(tp=config.tp)
-
-
-def _check_pipeline_tp_mode(c: ParallelConfig, spec: StrategySpec, max_world: int | None) -> str | None:
-    if c.tp > 1 and c.option_dict.get("dp_mode") == "ddp":
-        return f"dp_mode='ddp' cannot be combined with tp={c.tp} (DDP does not handle DTensor parameters); allowed: dp_mode='fsdp'"
-    return None
-
-
-def _violate_pipeline_tp_mode(draw, c, spec, max_world):
-    if c.tp < 2:
-        return None
-    return c.replace(options=tuple((k, "ddp" if k == "dp_mode" else v) for k, v in c.options))
-
-
-def _when_importable(module: str, spec: Callable[[], StrategySpec]) -> Callable[[], StrategySpec | None]:
-    def load() -> StrategySpec | None:
+def validate(config: ParallelConfig, spec: StrategySpec | None = None, *, max_world: int | None = None) -> ParallelConfig:
+    """Raise :class:`InvalidConfigError` naming each failing constraint; return ``config``
+    when it is valid."""
+    if spec is None:
         try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - not searchable here
-            return None
-        return spec()
-
-    return load
-
-
-register_strategy(StrategySpec("ddp", build_ddp, dims=("dp",), description="DistributedDataParallel over every rank"))
-_LAZY["fsdp"] = _when_importable("cases.strategies.fsdp", lambda: StrategySpec(
-    "fsdp", build_fsdp, dims=("dp",), options={"reshard_after_forward": (True, False)},
-    description="FSDP2 fully_shard per block and the root over every rank"))
-_LAZY["pipeline"] = _when_importable("cases.strategies.pipeline", lambda: StrategySpec(
-    "pipeline", build_pipeline, dims=("pp", "dp", "tp"), min_degree={"pp": 2},
-    options={"schedule": ("gpipe", "1f1b"), "dp_mode": ("fsdp", "ddp")},
-    pp_layers="divisible", micro_batches_cover_stages=lambda opts: opts.get("schedule") == "1f1b",
-    extra=(Constraint("pipeline-tp-needs-fsdp", _check_pipeline_tp_mode, _violate_pipeline_tp_mode,
-                      doc="tp > 1 composes with dp_mode='fsdp' only", needs={"tp": 2}),),
-    description="torch.distributed.pipelining GPipe / 1F1B over pp stages, replicas by FSDP2 or DDP, optional tp"))
-# tp >= 2: one rank is no tensor parallelism (and there, with an MLP of width 1, DTensor cannot
-# view the size-1 "sharded" dim: the search's first finding on this strategy).
-_LAZY["tp"] = _when_importable("cases.strategies.tp", lambda: StrategySpec(
-    "tp", build_tp, dims=("tp",), min_degree={"tp": 2},
-    description="parallelize_module Megatron-style TP over every rank"))
-_LAZY["ddp-tp"] = _when_importable("cases.strategies.hybrid", lambda: StrategySpec(
-    "ddp-tp", build_ddp_tp, dims=("dp", "tp"), min_degree={"dp": 2, "tp": 2},
-    description="dp x tp: TP inside each replica, replicate() over the dp ranks"))
-_LAZY["fsdp-tp"] = _when_importable("cases.strategies.hybrid", lambda: StrategySpec(
-    "fsdp-tp", build_fsdp_tp, dims=("dp", "tp"), min_degree={"dp": 2, "tp": 2},
-    description="FSDP2 x TP on a (dp, tp) mesh"))
+            spec = get_spec(config.strategy)
+        except KeyError:
+            known = ", ".join(available_strategies())
+            raise InvalidConfigError(
+                config, [Violation("known-strategy", f"strategy {config.strategy!r} is not registered; known: {known}")]
+            ) from None
+    found = check(config, spec, max_world=max_world)
+    if found:
+        raise InvalidConfigError(config, found)
+    return config

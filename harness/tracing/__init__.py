@@ -30,64 +30,35 @@ hooks on ``ProcessGroup`` (p2p ops, peers, reduce ops and call sites FR lacks); 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from harness.codes import Diagnosis
+# Public name -> the module that defines it. Loaded on first use, so that importing one
+# light module of this package (fr, the Flight Recorder reader the launcher uses) does not
+# import torch through the others.
+_EXPORTS = {
+    "CollectiveRecord": "records",
+    "compare_ranks": "collective_order",
+    "diagnose_hang": "hang",
+    "hang_lines": "hang",
+    "check_mesh": "mesh",
+    "check_sample_ids": "samples",
+    "check_samples": "samples",
+    "RankTrace": "run_trace",
+    "RunTrace": "run_trace",
+    "TraceError": "run_trace",
+    "Tracer": "tracer",
+    "current_tracer": "tracer",
+    "trace_samples": "tracer",
+    "check_collectives": "checks",
+    "run_checks": "checks",
+}
 
-from . import hooks
-from .collectives import CollectiveRecord, compare_ranks
-from .hang import diagnose_hang, hang_lines
-from .mesh import check_mesh
-from .samples import check_sample_ids, check_samples
-from .trace import (
-    RankTrace,
-    RunTrace,
-    TraceError,
-    Tracer,
-    current_tracer,
-    trace_samples,
-)
-
-__all__ = [
-    "CollectiveRecord",
-    "RankTrace",
-    "RunTrace",
-    "TraceError",
-    "Tracer",
-    "check_collectives",
-    "check_mesh",
-    "check_sample_ids",
-    "check_samples",
-    "current_tracer",
-    "diagnose_hang",
-    "hang_lines",
-    "install_hooks",
-    "run_checks",
-    "trace_samples",
-]
+__all__ = sorted(_EXPORTS)
 
 
-def install_hooks() -> None:
-    """Install the Python-side collective hooks in this process (idempotent, cheap)."""
-    hooks.install()
-
-
-def check_collectives(trace: RunTrace, *, include_harness: bool = True) -> list[Diagnosis]:
-    """``collective-mismatch`` / ``collective-missing``: per process group, every member must
-    issue the same sequence of collectives; every send must meet its receive.
-
-    The harness's own recording collectives are part of the sequence (a rank that skipped a
-    training collective pairs the others' with its next recording one), but evidence positions
-    index the report's event list, which leaves them out."""
-    by_rank = {r: rt.events(include_harness=include_harness) for r, rt in trace.ranks.items()}
-    return compare_ranks(by_rank, positions=trace.positions())
-
-
-def run_checks(record: Any, reference: Any, trace: RunTrace | None) -> list[Diagnosis]:
-    """Every tracing check that the inputs allow: samples (from ``record``, else the trace),
-    mesh and collectives (from ``trace``)."""
-    found: list[Diagnosis] = list(check_samples(record, reference, trace))
-    if trace is not None:
-        found += check_mesh(trace)
-        found += check_collectives(trace)
-    return found
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'harness.tracing' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"harness.tracing.{module}"), name)

@@ -1,7 +1,7 @@
 """Name the cause of a hang from what the ranks said when the launcher's deadline passed.
 
 On a timeout the launcher asks every live rank for its stack and its last collectives (FR's
-entries merged with the Python hooks' p2p ops, :func:`harness.flight_recorder.read_entries`).
+entries merged with the Python hooks' p2p ops, :func:`harness.tracing.dump.read_entries`).
 :func:`diagnose_hang` lines those up per process group and p2p channel, like the check of a
 finished run, and words the first divergence as the user needs it::
 
@@ -17,14 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from harness.codes import Diagnosis
-
-from .collectives import (
-    CollectiveRecord,
-    RankStatus,
-    compare_ranks,
-    from_entry,
-    short_site,
-)
+from harness.tracing.collective_order import RankStatus, compare_ranks
+from harness.tracing.fr import short_site
+from harness.tracing.records import CollectiveRecord, from_entry
 
 __all__ = ["diagnose_hang", "hang_lines", "rank_statuses"]
 
@@ -78,7 +73,7 @@ def _records(outcome: Any) -> dict[int, list[CollectiveRecord]]:
 
 def diagnose_hang(outcome: Any) -> list[Diagnosis]:
     """``collective-mismatch`` / ``collective-missing`` diagnoses of a hung run, from the
-    launcher's :class:`~harness.launcher.RunOutcome` (its per-rank dumps)."""
+    launcher's :class:`~harness.launch.pool.RunOutcome` (its per-rank dumps)."""
     status = rank_statuses(outcome)
     by_rank = _records(outcome)
     # A finished rank whose dump is missing still counts: it issued nothing more.

@@ -8,7 +8,7 @@ collective anywhere. These hooks add exactly that: every ``ProcessGroup`` method
 Python (``torch.distributed``'s functions, FSDP2, pipelining, DeviceMesh) is wrapped once per
 process; each call appends one :class:`PyCall` (op, group, peer, tag, shapes, dtypes, reduce op,
 the first call site outside torch and the harness, and the wall-clock window of the call) to a
-ring buffer. :mod:`harness.tracing.collectives` pairs them with FR's entries by process group
+ring buffer. :mod:`harness.tracing.records` pairs them with FR's entries by process group
 and time (FR's ``time_created_ns`` falls inside the call's window).
 
 The cost is one Python function call, two ``time.time_ns()`` and a cached frame walk per
@@ -19,7 +19,7 @@ collectives issued from C++.
 the process on a size mismatch, a segfault, SIGKILL) takes it along. While a journal is open
 (:func:`open_journal`, the launcher's worker opens one per test) each call is also written,
 unbuffered, as one JSON line to a file, before the call can block: the launcher reads a dead
-rank's collectives back from it (:func:`harness.worker.read_journal`), numbered per group as
+rank's collectives back from it (:func:`harness.launch.worker.read_journal`), numbered per group as
 Flight Recorder numbers them (on from the group's sequence number when the journal opened).
 """
 
@@ -161,7 +161,7 @@ def group_info(pg_name: str) -> tuple[list[int], str] | None:
 def _is_library(code: Any) -> bool:
     known = _LIBRARY_CODE.get(code)
     if known is None:
-        from harness.flight_recorder import is_library_frame
+        from harness.tracing.fr import is_library_frame
 
         known = _LIBRARY_CODE[code] = is_library_frame(code.co_filename)
     return known

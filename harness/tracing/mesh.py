@@ -1,6 +1,6 @@
 """Mesh coordinates and process groups: what each rank records, and the checks.
 
-Recorded per rank (by :class:`~harness.tracing.trace.Tracer`): the declared coordinate and
+Recorded per rank (by :class:`~harness.tracing.tracer.Tracer`): the declared coordinate and
 groups of the strategy's layout; every DeviceMesh its parameters (DTensor, FSDP2) or the
 strategy's state hold, with each dim's process group; DDP's process group; every process
 group c10d knows, with its ranks; and each parameter's local and global shape.
@@ -69,7 +69,7 @@ def describe_model(model: Any) -> tuple[dict[str, dict[str, Any]], list[Any], li
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from harness.gather import reference_named_parameters
+    from harness.record.gather import reference_named_parameters
 
     modules = [model] if isinstance(model, nn.Module) else [m for m in model if isinstance(m, nn.Module)]
     params: dict[str, dict[str, Any]] = {}
@@ -296,7 +296,7 @@ def _sharded_on_dp(param: Mapping[str, Any]) -> bool:
 
 
 def _is_dp(dim: str) -> bool:
-    from .trace import is_dp_dim
+    from harness.parallel_dims import is_dp_dim
 
     return is_dp_dim(dim)
 

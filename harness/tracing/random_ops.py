@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..codes import Diagnosis
-from . import hooks
+from harness.codes import Diagnosis
+from harness.tracing import hooks
 
 __all__ = ["RandomDraw", "RandomOpLog", "check_random_ops"]
 
@@ -134,6 +134,6 @@ def _desync(group: list[int], ra: int, rb: int, da: RandomDraw | None, db: Rando
 
 
 def hooks_short(site: str) -> str:
-    from ..flight_recorder import short_site
+    from harness.tracing.fr import short_site
 
     return short_site(site) or site or "an unknown call site"

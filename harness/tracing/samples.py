@@ -1,7 +1,7 @@
 """Sample-id checks: did the data-parallel replicas split the data as the reference consumed it?
 
 The ids come from the run's record (``StepRecord.rank_sample_ids``, recorded per rank, step
-and micro-batch by :class:`~harness.rank_record.RankRecorder` for the harness's cases) or from
+and micro-batch by :class:`~harness.record.recorder.RankRecorder` for the harness's cases) or from
 a trace (``RankTrace.samples``, recorded by ``trace_samples`` for a user's own loader); the
 replica of each rank from its layout (``dp_rank``). With the mesh known:
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from harness.remote import RankRunner
+from harness.launch.remote import RankRunner
 
 
 def _targets():

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from harness.launcher import PoolConfig, PoolManager
-from harness.remote import RankRunner, RanksFailed, RanksHung
+from harness.launch.pool import PoolConfig, PoolManager
+from harness.launch.remote import RankRunner, RanksFailed, RanksHung
 from harness.search import (
     ParallelConfig,
     available_strategies,

@@ -53,7 +53,7 @@ class _SmallAllReduces:
     def setup(self, case, ctx):
         import torch
 
-        from harness.rank_record import RankLayout
+        from harness.parallel_dims import RankLayout
         from harness.strategy import RankSetup
 
         model = torch.nn.Linear(2, 2)

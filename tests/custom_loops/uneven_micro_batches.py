@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from cases.catalog import mlp_case
-from harness.rank_record import RankLayout
+from harness.parallel_dims import RankLayout
 
 CASE = mlp_case("sgd", steps=2, micro_batches=2)
 TIMEOUT = 30

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import re
 
-from harness import flight_recorder
-from harness.launcher import RunOutcome
-from harness.protocol import CollectiveEntry, RankDump
+from harness import HARNESS_DIR
+from harness.tracing import fr
+from harness.launch.pool import RunOutcome
+from harness.launch.protocol import CollectiveEntry, RankDump
 
 MAX_COLLECTIVES_SHOWN = 8
 
@@ -24,8 +25,7 @@ def _number(entry: CollectiveEntry) -> str:
     peer = getattr(entry, "peer", None)
     if peer is None:
         return f"p2p#{entry.p2p_seq_id}"
-    arrow = "to" if entry.op.startswith(("send", "isend")) else "from"
-    return f"p2p#{entry.p2p_seq_id} {arrow} rank {peer}"
+    return f"p2p#{entry.p2p_seq_id} {fr.p2p_peer(entry.op, peer)}"
 
 
 def where(dump: RankDump | None) -> str:
@@ -41,7 +41,7 @@ def where(dump: RankDump | None) -> str:
         op = op or last.op
         ranks = f" ranks={last.group_ranks}" if last.group_ranks is not None else ""
         detail = f" {_number(last)} on pg {last.process_group}{ranks}"
-    site = flight_recorder.short_site(dump.user_site or (last.call_site if last else ""))
+    site = fr.short_site(dump.user_site or (last.call_site if last else ""))
     if op:
         return f"in {op}{detail} at {site}" if site else f"in {op}{detail}"
     if dump.state.startswith("running"):
@@ -69,7 +69,7 @@ _BACKEND_TEXT = (*BACKEND_MISMATCH, "Connection closed by peer", "Connection res
                  "NCCL error", "Gloo", "gloo")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _PYTEST_FRAME = re.compile(r"^\s*(\S+\.py):(\d+): \w+", re.MULTILINE)
-_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+_HARNESS_DIR = HARNESS_DIR
 
 
 def _is_backend_error(exc_type: str, message: str) -> bool:
@@ -185,7 +185,7 @@ def _rank_line(outcome: RunOutcome, rank: int) -> str:
             last = finished.collectives[-1]
             line += (
                 f", finished its test body; its last collective was {last.op} {_number(last)} "
-                f"at {flight_recorder.short_site(last.call_site)}"
+                f"at {fr.short_site(last.call_site)}"
             )
         else:
             line += ", finished its test body without issuing a collective"
@@ -200,7 +200,7 @@ def _entries_block(entries: list[CollectiveEntry]) -> list[str]:
     if not entries:
         return ["    (no collectives recorded in this test)"]
     shown = entries[-MAX_COLLECTIVES_SHOWN:]
-    lines = [f"    {flight_recorder.format_entry(e)}" for e in shown]
+    lines = [f"    {fr.format_entry(e)}" for e in shown]
     if len(entries) > len(shown):
         lines.insert(0, f"    ... {len(entries) - len(shown)} earlier")
     return lines

@@ -37,7 +37,7 @@ def left_behind(work: str) -> tuple[Any, Any, dict[str, Any]]:
     trace or None, a JSON-able summary naming each folder)."""
     from reference.record import Record, RecordError
 
-    from harness.diagnose import load_trace
+    from harness.analysis.diagnose import load_trace
 
     records, parts, unfinished = [], [], []
     chosen = trace = None

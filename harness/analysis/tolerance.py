@@ -294,3 +294,62 @@ def calibrate(
 
 def reference_dtype(record: Record) -> torch.dtype:
     return dtype_from_str(str(record.meta.get("dtype", "torch.float32")))
+
+
+# -- the adaptive optimizer's sign noise ----------------------------------------------------
+
+# An adaptive step moves an element by at most about lr (|m_hat / sqrt(v_hat)| <= ~1); a sign
+# flip of its gradient therefore costs at most ~2 lr per step. The margin covers weight decay
+# and bias correction at the first steps.
+_SIGN_FLIP_STEP = 2.5
+
+
+def adaptive_sign_noise(
+    reference: Record,
+    actual: Record,
+    result: Any,
+    param: Any,
+    counts: dict[str, tuple[int, torch.Tensor]] | None = None,
+) -> int | None:
+    """How many of ``param``'s out-of-tolerance elements an adaptive optimizer's sign noise
+    explains, or None when it does not explain all of them. ``param`` is the parameter's
+    :class:`~harness.analysis.compare.TensorComparison` in ``result`` (a
+    :class:`~harness.analysis.compare.CompareResult`, read for the gradient tolerances).
+
+    Adam-family optimizers (an ``exp_avg_sq`` in the state) move an element by about +-lr
+    whatever its gradient's size. Where the reference gradient is within the comparison's own
+    gradient tolerance of 0 - so a correct run may see the other sign - the step's direction is
+    rounding noise and a correct run lands up to 2 lr away (common in bf16). An element is
+    explained when it differs by at most ~2 lr for each step up to this one at which its
+    gradient was sign-uncertain, and there was at least one; gradients, loss and optimizer
+    state are still compared as usual, so a real bug (which moves gradients, or elements whose
+    gradient is clearly non-zero, or by more than the bound) still fails.
+
+    ``counts`` carries each parameter's count of sign-uncertain steps from one call to the next
+    (:func:`compare` passes one per comparison), so a parameter that stays off step after step
+    is counted once per step, not from step 0 again."""
+    step, name = param.step, param.name
+    if param.kind != "param" or f"{name}.exp_avg_sq" not in reference.step(step).names("optim"):
+        return None
+    lrs = [g.get("lr") for g in reference.step(step).param_groups if name in g.get("params", [])]
+    if len(lrs) != 1 or not isinstance(lrs[0], (int, float)) or lrs[0] <= 0:
+        return None
+    counts = {} if counts is None else counts
+    counted, uncertain_steps = counts.get(name, (-1, None))
+    for j in range(counted + 1, step + 1):
+        try:
+            grad_tol = result.get(j, "grad", name).tolerance
+        except KeyError:
+            return None
+        g = reference.tensor(j, "grad", name).double().abs()
+        uncertain = (g <= grad_tol.atol + grad_tol.rtol * g).to(torch.int64)
+        uncertain_steps = uncertain if uncertain_steps is None else uncertain_steps + uncertain
+        counts[name] = (j, uncertain_steps)
+    assert uncertain_steps is not None
+    a, e = actual.tensor(step, "param", name).double(), reference.tensor(step, "param", name).double()
+    diff = (a - e).abs()
+    differs = ~(diff <= param.tolerance.atol + param.tolerance.rtol * e.abs())  # NaN differs
+    explained = (uncertain_steps > 0) & (diff <= _SIGN_FLIP_STEP * float(lrs[0]) * uncertain_steps)
+    if not bool((~differs | explained).all()):
+        return None
+    return int(differs.sum())

@@ -1,6 +1,6 @@
 """Warm pools of rank workers: spawn once, run many test bodies, never hang, never orphan.
 
-A ``RankPool`` is N ``python -m harness.worker`` processes joined in one default process group
+A ``RankPool`` is N ``python -m harness.launch.worker`` processes joined in one default process group
 (FileStore rendezvous: no port to race for; gloo/NCCL sockets on loopback). Every wait has a
 deadline. On a hang the pool asks each rank for its stack and its last collectives, then
 kills the whole process tree; a pool that saw a crash, hang or desync is never reused.
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness import _proc
-from harness.worker import capture_path, journal_path, read_journal
-from harness.protocol import (
+from harness import HARNESS_DIR
+from harness.launch import procs
+from harness.launch.worker import capture_path, journal_path, read_journal
+from harness.launch.protocol import (
     HANDSHAKE_CONTROL,
     CollectiveEntry,
     HANDSHAKE_TASK,
@@ -35,8 +36,9 @@ from harness.protocol import (
     ResetResult,
     TestTask,
 )
+from harness.tracing import fr
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(HARNESS_DIR)
 
 
 class PoolStartError(RuntimeError):
@@ -145,13 +147,13 @@ class RunOutcome:
 
 
 class Zygote:
-    """Handle on the fork server (``harness.zygote``) that starts rank processes."""
+    """Handle on the fork server (``harness.launch.zygote``) that starts rank processes."""
 
     def __init__(self, startup_timeout: float, log_path: str) -> None:
         ours, theirs = socket.socketpair()
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "harness.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 env=_worker_base_env(),
                 stdin=subprocess.DEVNULL,
@@ -204,7 +206,7 @@ class Zygote:
 
     def close(self) -> None:
         self.conn.close()
-        _proc.kill_tree(self.proc.pid)
+        procs.kill_tree(self.proc.pid)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -226,13 +228,13 @@ class _RankProcess:
             return self.returncode
         if self.popen is not None:
             self.returncode = self.popen.poll()
-        elif not _proc._alive(self.pid):
+        elif not procs._alive(self.pid):
             status = self.zygote.status(self.pid) if self.zygote is not None else None
             self.returncode = status if status is not None else -9
         return self.returncode
 
     def wait(self, timeout: float) -> None:
-        _proc.wait_gone([self.pid], timeout)
+        procs.wait_gone([self.pid], timeout)
         self.poll()
 
 
@@ -284,7 +286,7 @@ class _StallWatch:
             self.last_sample = now
             for rank in running:
                 history = self.samples[rank]
-                history.append((now, _proc.cpu_seconds(self.pids[rank])))
+                history.append((now, procs.cpu_seconds(self.pids[rank])))
                 while len(history) > 2 and history[1][0] <= now - self.window:
                     history.pop(0)  # keep one sample at or before the window's start
         for rank in running:
@@ -361,14 +363,14 @@ class RankPool:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+        env.setdefault(fr.FR_BUFFER_ENV, fr.RANK_FR_BUFFER)
         log_path = os.path.join(self.workdir, f"rank{rank}.log")
         if self.zygote is not None:
             proc = _RankProcess(self.zygote.spawn(env, log_path, os.getcwd()), zygote=self.zygote)
         else:
             with open(log_path, "wb") as log:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "harness.worker"],
+                    [sys.executable, "-m", "harness.launch.worker"],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -417,7 +419,7 @@ class RankPool:
         for r in self.ranks:
             if r.exited():
                 raise PoolStartError(
-                    f"rank {r.rank} exited while {phase} ({_proc.describe_exit(r.proc.returncode)}).\n"
+                    f"rank {r.rank} exited while {phase} ({procs.describe_exit(r.proc.returncode)}).\n"
                     f"Its output:\n{_tail(r.log_path)}"
                 )
 
@@ -490,7 +492,7 @@ class RankPool:
                         continue
                 if r.exited() or (r.exit_fd is not None and r.exit_fd in ready):
                     r.proc.wait(timeout=5)
-                    outcome.deaths[r.rank] = _proc.describe_exit(r.proc.returncode)
+                    outcome.deaths[r.rank] = procs.describe_exit(r.proc.returncode)
                     outcome.death_times[r.rank] = time.monotonic()
                     outcome.death_logs[r.rank] = (
                         _tail(r.log_path) + _tail(capture_path(self.workdir, r.rank))
@@ -499,7 +501,7 @@ class RankPool:
                     if first_failure is None:
                         first_failure = time.monotonic()
         if self.zygote is not None and outcome.deaths and not self.zygote.alive():
-            outcome.fork_server_death = _proc.describe_exit(self.zygote.proc.returncode)
+            outcome.fork_server_death = procs.describe_exit(self.zygote.proc.returncode)
             outcome.fork_server_pid = self.zygote.proc.pid
         for rank in range(self.key.nproc):
             # Ranks that cannot be asked (dead, or failed and back to idle) still left their
@@ -603,19 +605,19 @@ class RankPool:
                     r.task.send(("shutdown", None))
                 except (OSError, EOFError, AssertionError):
                     pass
-            _proc.wait_gone([r.proc.pid for r in self.ranks], timeout)
+            procs.wait_gone([r.proc.pid for r in self.ranks], timeout)
         self.close()
 
     def close(self) -> None:
         """Kill every rank's process tree and free the pool's files. Safe to call twice."""
         self.alive = False
         for r in self.ranks:
-            _proc.kill_tree(r.proc.pid)
+            procs.kill_tree(r.proc.pid)
         if self._tag:
             # What the ranks started that left their tree: in its own session and re-parented
             # to init after its rank died, or still running after a test that passed.
-            _proc.kill_tagged(self._tag)
-        _proc.wait_gone([r.proc.pid for r in self.ranks], 5)
+            procs.kill_tagged(self._tag)
+        procs.wait_gone([r.proc.pid for r in self.ranks], 5)
         for r in self.ranks:
             _LIVE_PIDS.discard(r.proc.pid)
             for conn in (r.task, r.control):
@@ -707,7 +709,7 @@ class PoolManager:
 
 
 def _tail(path: str, limit: int = 3000) -> str:
-    return _proc.tail_of(path, limit)
+    return procs.tail_of(path, limit)
 
 
 # Backstop: whatever happens in the pytest process (Ctrl-C, an internal error), no rank outlives it.
@@ -717,4 +719,4 @@ _LIVE_PIDS: set[int] = set()
 @atexit.register
 def _kill_leftovers() -> None:
     for pid in list(_LIVE_PIDS):
-        _proc.kill_tree(pid)
+        procs.kill_tree(pid)

@@ -17,10 +17,10 @@ A target file defines::
     TIMEOUT = 30                       # optional: seconds before it counts as hung
     EXPECTED_CODE = "grad-scaled"      # optional: what its diagnosis must name (cases/bugs)
 
-or, for a custom training loop (see :mod:`harness.custom`)::
+or, for a custom training loop (see :mod:`harness.record.custom`)::
 
     CASE = ...
-    def train(ctx, run):               # run: harness.custom.CustomRun
+    def train(ctx, run):               # run: harness.record.custom.CustomRun
         ...
 """
 
@@ -32,7 +32,7 @@ import inspect
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -40,7 +40,7 @@ from typing import Any
 
 from reference.case import Case
 
-__all__ = ["Target", "TargetError", "bundled_targets", "load_target"]
+__all__ = ["Target", "TargetError", "load_target", "target_from_module"]
 
 
 class TargetError(ValueError):
@@ -209,36 +209,11 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     )
 
 
-def bundled_targets() -> dict[str, str]:
-    """Bundled target name -> importable module: every ``cases/bugs`` module (by module name
-    and by its EXPECTED_CODE when unique) and the correct strategies of ``cases.targets``."""
-    out: dict[str, str] = {}
-    try:
-        from cases.bugs import catalogue
-
-        by_code: dict[str, list[str]] = {}
-        for module_name, code in catalogue().items():
-            short = module_name.rsplit(".", 1)[-1]
-            out[short] = module_name
-            by_code.setdefault(code, []).append(module_name)
-        for code, modules in by_code.items():
-            if len(modules) == 1 and code not in out:
-                out[code] = modules[0]
-    except ImportError:
-        pass
-    try:
-        from cases.targets import TARGETS
-
-        for name in TARGETS:
-            out.setdefault(name, f"cases.targets:{name}")
-    except ImportError:
-        pass
-    return out
-
-
-def load_target(spec: str) -> Target:
+def load_target(spec: str, bundled: Mapping[str, str] | None = None) -> Target:
     """Resolve TARGET (see the module docstring); raises :class:`TargetError` with the
-    allowed forms and bundled names when it cannot."""
+    allowed forms and bundled names when it cannot. ``bundled`` maps bundled names to
+    ``module`` or ``module:NAME`` (a factory in the module's ``TARGETS``); the front ends pass
+    :func:`harness.targets.bundled.bundled_targets` (this module never names the examples)."""
     spec = spec.strip()
     if not spec:
         raise TargetError("empty TARGET")
@@ -246,7 +221,7 @@ def load_target(spec: str) -> Target:
     if file_part.endswith(".py") or os.sep in file_part:
         module = _load_file(Path(file_part))
         return target_from_module(module, name or None)
-    bundled = bundled_targets()
+    bundled = dict(bundled or {})
     if spec not in bundled:
         raise TargetError(
             f"unknown target {spec!r}: give path/to/file.py, path/to/file.py:NAME or a bundled name "

@@ -1,16 +1,10 @@
-"""The per-run trace: what each rank did, written next to the run's record as ``trace.json``.
-
-Per rank: its mesh coordinate and dim names (declared by the strategy's layout, and those of
-every DeviceMesh its parameters live on), the ranks and labels of every process group it knew,
-the local and global shape of every parameter, the sample ids it consumed per step and
-micro-batch, and every collective and point-to-point op in issue order (op, group and its
-ranks, shapes, dtypes, reduce op, sequence number, peer, Python call site, step, phase).
-
-On each rank a :class:`Tracer` collects this cheaply: Flight Recorder keeps recording in C++,
-the Python hooks (:mod:`harness.tracing.hooks`) log what FR lacks, and the tracer only notes
-the wall-clock time of each step boundary; it reads FR (without stacks) and the hooks' log
-every few steps, sized so neither ring buffer wraps, and once at the end.
-:meth:`Tracer.gather` brings every rank's :class:`RankTrace` to one rank as a :class:`RunTrace`.
+"""The per-rank tracer: on each rank a :class:`Tracer` collects the run's trace
+(:mod:`harness.tracing.run_trace`) cheaply: Flight Recorder keeps recording in C++, the Python
+hooks (:mod:`harness.tracing.hooks`) log what FR lacks, and the tracer only notes the
+wall-clock time of each step boundary; it reads FR (without stacks) and the hooks' log every
+few steps, sized so neither ring buffer wraps, and once at the end. :meth:`Tracer.gather`
+brings every rank's :class:`~harness.tracing.run_trace.RankTrace` to one rank as a
+:class:`~harness.tracing.run_trace.RunTrace`.
 
 A user's own data loader is traced with one line (the batches are yielded unchanged)::
 
@@ -32,266 +26,18 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import hooks
-from .random_ops import RandomDraw, RandomOpLog
-from .collectives import CollectiveRecord, merge, record_bytes, renumber_p2p
+from harness.parallel_dims import is_dp_dim
+from harness.tracing import hooks
+from harness.tracing.records import CollectiveRecord, merge, renumber_p2p
+from harness.tracing.random_ops import RandomOpLog
+from harness.tracing.run_trace import RankTrace, RunTrace, TraceError, _json_default
 
-__all__ = [
-    "TRACE_FORMAT",
-    "TRACE_VERSION",
-    "RankTrace",
-    "RunTrace",
-    "TraceError",
-    "Tracer",
-    "current_tracer",
-    "trace_samples",
-]
-
-TRACE_FORMAT = "harness-trace"
-TRACE_VERSION = 1
-TRACE_FILE = "trace.json"
-
-# Mesh dim names whose groups synchronize data-parallel gradients.
-DP_DIM_NAMES = ("dp", "dp_shard", "dp_replicate", "fsdp", "hsdp", "ddp", "data", "dp_cp", "dp_shard_cp")
+__all__ = ["Tracer", "current_tracer", "trace_samples"]
 
 T = TypeVar("T")
-
-
-class TraceError(ValueError):
-    """A trace file is missing or malformed, or the tracer was used out of order."""
-
-
-def is_dp_dim(name: str) -> bool:
-    return name in DP_DIM_NAMES or name.startswith("dp")
-
-
-@dataclass
-class RankTrace:
-    """One rank's trace (see the module docstring for what each field holds).
-
-    - ``layout``: the strategy's :class:`~harness.rank_record.RankLayout` as JSON (declared
-      ``mesh`` coordinates and ``groups``; empty when none was given);
-    - ``device_meshes``: ``{"dims", "shape", "mesh", "coords", "groups": {dim: {"name",
-      "ranks"}}}`` per DeviceMesh found (parameters' meshes, the strategy's state);
-    - ``groups``: process group name -> ``{"ranks", "desc", "dims", "roles"}``; ``dims`` are the
-      mesh dims the group belongs to, ``roles`` e.g. ``"grad-sync"`` (DDP's group);
-    - ``params``: reference name -> ``{"local_shape", "shape", "dtype", "placements",
-      "mesh_dims"}``;
-    - ``samples``: step -> sample ids per micro-batch;
-    - ``collectives``: every op in issue order."""
-
-    rank: int
-    world_size: int
-    backend: str = ""
-    layout: dict[str, Any] = field(default_factory=dict)
-    device_meshes: list[dict[str, Any]] = field(default_factory=list)
-    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
-    params: dict[str, dict[str, Any]] = field(default_factory=dict)
-    samples: dict[int, list[list[int]]] = field(default_factory=dict)
-    collectives: list[CollectiveRecord] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    complete: bool = True
-    random_ops: list[RandomDraw] = field(default_factory=list)  # the first step's, see random_ops
-
-    @property
-    def mesh_dims(self) -> list[str]:
-        """Declared mesh dim names, outermost first."""
-        return list((self.layout.get("mesh") or {}).keys())
-
-    @property
-    def coords(self) -> dict[str, int]:
-        """Declared mesh coordinate (the layout's), else the first DeviceMesh's."""
-        declared = dict(self.layout.get("mesh") or {})
-        if declared:
-            return {k: int(v) for k, v in declared.items()}
-        for mesh in self.device_meshes:
-            if mesh.get("coords"):
-                return {k: int(v) for k, v in mesh["coords"].items()}
-        return {}
-
-    def events(self, *, include_harness: bool = False) -> list[CollectiveRecord]:
-        """The rank's ops in issue order; the harness's own (recording) ones only if asked."""
-        if include_harness:
-            return list(self.collectives)
-        return [c for c in self.collectives if c.phase != "harness"]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "layout": self.layout,
-            "device_meshes": self.device_meshes,
-            "groups": self.groups,
-            "params": self.params,
-            "samples": {str(k): v for k, v in self.samples.items()},
-            "collectives": [c.to_json() for c in self.collectives],
-            "notes": self.notes,
-            "complete": self.complete,
-            "random_ops": [d.to_json() for d in self.random_ops],
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RankTrace:
-        try:
-            return cls(
-                rank=int(data["rank"]),
-                world_size=int(data["world_size"]),
-                backend=str(data.get("backend", "")),
-                layout=dict(data.get("layout") or {}),
-                device_meshes=list(data.get("device_meshes") or []),
-                groups=dict(data.get("groups") or {}),
-                params=dict(data.get("params") or {}),
-                samples={int(k): [list(m) for m in v] for k, v in (data.get("samples") or {}).items()},
-                collectives=[CollectiveRecord.from_json(c) for c in data.get("collectives") or []],
-                notes=list(data.get("notes") or []),
-                complete=bool(data.get("complete", True)),
-                random_ops=[RandomDraw.from_json(d) for d in data.get("random_ops") or []],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(f"malformed rank trace ({type(exc).__name__}: {exc})") from None
-
-
-@dataclass
-class RunTrace:
-    """Every rank's trace of one run; ``complete`` is False when a rank failed part way."""
-
-    ranks: dict[int, RankTrace] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-    path: str = ""
-
-    @property
-    def world_size(self) -> int:
-        if self.ranks:
-            return next(iter(self.ranks.values())).world_size
-        return int(self.meta.get("world_size", 0))
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ranks) == self.world_size and all(r.complete for r in self.ranks.values())
-
-    def rank(self, rank: int) -> RankTrace:
-        if rank not in self.ranks:
-            raise TraceError(f"trace {self.path or '(in memory)'} has no rank {rank}; it has ranks {sorted(self.ranks)}")
-        return self.ranks[rank]
-
-    # -- summaries ---------------------------------------------------------------------------
-
-    def collective_summary(self, *, include_harness: bool = False) -> list[dict[str, Any]]:
-        """Per step, process group and op: how many ops and how many bytes.
-
-        Rows ``{"step", "group", "group_ranks", "op", "count", "bytes"}``; ``step`` is None for
-        ops before the first step (setup). For a collective, count and bytes are those of one
-        member (the lowest rank of the group: every member issues the same); for p2p ops they
-        add up every rank's sends (op "send") and receives ("recv") on the group."""
-        rows: dict[tuple, dict[str, Any]] = {}
-        for rank, rt in sorted(self.ranks.items()):
-            for c in rt.events(include_harness=include_harness):
-                if not c.is_p2p and c.group_ranks and rank != min(c.group_ranks):
-                    continue
-                label = c.group_label
-                key = (c.step if c.step is not None else -1, label, c.op)
-                row = rows.setdefault(key, {"step": c.step, "group": label, "group_ranks": c.group_ranks, "op": c.op, "count": 0, "bytes": 0})
-                row["count"] += 1
-                row["bytes"] += record_bytes(c)
-        return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2]))]
-
-    def to_report(self) -> dict[str, Any]:
-        """The diagnosis report's ``collectives`` section (harness.report.model's schema)."""
-        starts = [c.t_ns for rt in self.ranks.values() for c in rt.events() if c.t_ns]
-        origin = min(starts) if starts else 0
-        events: dict[str, list[dict[str, Any]]] = {}
-        for rank, rt in sorted(self.ranks.items()):
-            rows = []
-            for c in rt.events():
-                row = {
-                    "seq": c.seq, "op": c.op, "group": c.group_desc if c.group_desc not in ("", "undefined") else c.group,
-                    "group_ranks": c.group_ranks, "shapes": c.shapes, "dtypes": c.dtypes, "reduce_op": c.reduce_op or None,
-                    "peer": c.peer, "call_site": c.call_site, "step": c.step, "phase": c.phase,
-                }
-                if c.t_ns and origin:
-                    row["start_us"] = (c.t_ns - origin) / 1000.0
-                    if c.end_ns:
-                        row["end_us"] = (c.end_ns - origin) / 1000.0
-                rows.append(row)
-            events[str(rank)] = rows
-        return {"events": events, "summary": self.collective_summary()}
-
-    def positions(self) -> dict[int, dict[int, int]]:
-        """rank -> {record index -> position in :meth:`to_report`'s event list}."""
-        return {
-            rank: {c.index: i for i, c in enumerate(rt.events())} for rank, rt in self.ranks.items()
-        }
-
-    # -- files -------------------------------------------------------------------------------
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": TRACE_FORMAT,
-            "version": TRACE_VERSION,
-            "meta": self.meta,
-            "complete": self.complete,
-            "ranks": {str(r): t.to_json() for r, t in sorted(self.ranks.items())},
-        }
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the trace as JSON at ``path`` (atomically: a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), default=_json_default))
-        os.replace(tmp, path)
-        self.path = str(path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> RunTrace:
-        """Read a trace: a ``trace.json`` file, a record directory holding one, or a directory
-        of per-rank parts (``rank<N>.json``, written by ranks whose run failed)."""
-        path = Path(path)
-        if path.is_dir():
-            if (path / TRACE_FILE).is_file():
-                path = path / TRACE_FILE
-            else:
-                parts = sorted(path.glob("rank*.json"))
-                if not parts:
-                    raise TraceError(f"{path} holds neither {TRACE_FILE} nor per-rank parts rank<N>.json")
-                trace = cls(path=str(path))
-                for part in parts:
-                    rt = RankTrace.from_json(_read_json(part))
-                    trace.ranks[rt.rank] = rt
-                trace.meta = {"world_size": next(iter(trace.ranks.values())).world_size, "parts": True}
-                return trace
-        if not path.is_file():
-            raise TraceError(f"no trace at {path}")
-        data = _read_json(path)
-        if data.get("format") != TRACE_FORMAT:
-            raise TraceError(f"{path}: format is {data.get('format')!r}, expected {TRACE_FORMAT!r}")
-        if data.get("version") != TRACE_VERSION:
-            raise TraceError(f"{path}: trace version {data.get('version')!r} is not supported (this harness reads {TRACE_VERSION})")
-        ranks = {int(k): RankTrace.from_json(v) for k, v in (data.get("ranks") or {}).items()}
-        return cls(ranks=ranks, meta=dict(data.get("meta") or {}), path=str(path))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise TraceError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    return repr(value)
-
 
 # -- the per-rank tracer ---------------------------------------------------------------------
 
@@ -304,10 +50,10 @@ def current_tracer() -> Tracer | None:
 
 
 def _fr_capacity() -> int:
-    from harness import flight_recorder
+    from harness.tracing import fr
 
     try:
-        return int(os.environ.get(flight_recorder.FR_BUFFER_ENV, "0") or 0)
+        return int(os.environ.get(fr.FR_BUFFER_ENV, "0") or 0)
     except ValueError:
         return 0
 
@@ -338,7 +84,7 @@ class Tracer:
     ) -> None:
         import torch.distributed as dist
 
-        from harness import flight_recorder
+        from harness.tracing import fr
 
         hooks.install()
         initialized = dist.is_available() and dist.is_initialized()
@@ -348,7 +94,7 @@ class Tracer:
         self.name = name
         self.start_ns = time.time_ns()
         self._py_mark = hooks.mark()
-        data = flight_recorder.dump(with_stacks=False) or {}
+        data = fr.dump(with_stacks=False) or {}
         entries = data.get("entries", []) or []
         self._fr_after = int(entries[-1].get("record_id", -1)) if entries else -1
         self._fr_capacity = _fr_capacity()
@@ -394,7 +140,7 @@ class Tracer:
     def describe(self, *, layout: Any = None, model: Any = None, state: Mapping[str, Any] | None = None) -> None:
         """Record the rank's layout, its model's parameters (local shapes, DTensor meshes,
         DDP's group) and any DeviceMesh in ``state``. May be called again as things appear."""
-        from .mesh import describe_model, is_device_mesh
+        from harness.tracing.mesh import describe_model, is_device_mesh
 
         if layout is not None:
             self._layout = layout.to_json() if hasattr(layout, "to_json") else dict(layout)
@@ -524,16 +270,16 @@ class Tracer:
 
         ``with_stacks``: None (default) symbolizes FR's stacks only when collectives issued
         from C++ need a call site; True / False force it on / off."""
-        from harness import flight_recorder
+        from harness.tracing import fr
 
-        data = flight_recorder.dump(with_stacks=bool(with_stacks)) or {}
+        data = fr.dump(with_stacks=bool(with_stacks)) or {}
         raw = [e for e in data.get("entries", []) or [] if int(e.get("record_id", -1)) > self._fr_after]
         raw = [e for e in raw if int(e.get("time_created_ns") or 0) >= self.start_ns]
         all_ids = [int(e.get("record_id", -1)) for e in data.get("entries", []) or []]
         if all_ids and self._fr_after >= 0 and min(all_ids) > self._fr_after + 1:
             self.notes.append(
                 f"Flight Recorder's ring buffer wrapped: {min(all_ids) - self._fr_after - 1} entries were lost "
-                f"(raise {flight_recorder.FR_BUFFER_ENV}, now {self._fr_capacity})"
+                f"(raise {fr.FR_BUFFER_ENV}, now {self._fr_capacity})"
             )
         calls = [c for c in hooks.calls_since(self._py_mark) if c.t0_ns >= self.start_ns]
         if calls and self._py_mark and calls[0].index > self._py_mark + 1:
@@ -543,11 +289,11 @@ class Tracer:
         if unsited and with_stacks is None:
             # Issued from C++ (DDP's reducer, DTensor): no Python call of ours saw them, so
             # FR's own stack (symbolized only now, only when needed) gives the call site.
-            stacked = flight_recorder.dump(with_stacks=True) or {}
+            stacked = fr.dump(with_stacks=True) or {}
             frames = {e.get("record_id"): e.get("frames") or [] for e in stacked.get("entries", []) or [] if e.get("record_id") in unsited}
             for r in records:
                 if r.fr_id in frames:
-                    r.call_site = flight_recorder.call_site_of(frames[r.fr_id])
+                    r.call_site = fr.call_site_of(frames[r.fr_id])
         self.attribute(records)
         self._records.extend(records)
         if raw:
@@ -601,7 +347,7 @@ class Tracer:
                 found = hooks.group_info(name)
                 groups[name] = {"ranks": found[0] if found else [], "desc": found[1] if found else "",
                                 "dims": sorted(labels["dims"]), "roles": sorted(labels["roles"])}
-        from .mesh import describe_mesh
+        from harness.tracing.mesh import describe_mesh
 
         self._finished = RankTrace(
             rank=self.rank,

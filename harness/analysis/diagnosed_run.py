@@ -1,10 +1,10 @@
 """Rank side of a diagnosed run: train with the activation probe on, compare, diagnose, report.
 
 One collective function serves both front ends - :func:`harness.testing.assert_matches_reference`
-(pytest) and :func:`harness.target_run.diagnose_on_rank` (``python -m harness diagnose``) - so
+(pytest) and :func:`harness.targets.drive.diagnose_on_rank` (``python -m harness diagnose``) - so
 the two can never disagree on what a run is called. Data flow: probe-wrapped strategy ->
 :func:`~harness.run.run_strategy` (record, trace, comparison on ``dst``) -> the probe gathered to
-``dst`` -> :func:`~harness.diagnose.diagnose` -> :func:`~harness.report.model.build_report`.
+``dst`` -> :func:`~harness.analysis.diagnose.diagnose` -> :func:`~harness.report.model.build_report`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 from reference.case import Case
 
-from .codes import Diagnosis
-from .report.model import DiagnosisReport, build_report
-from .run import RunResult
-from .strategy import DistContextLike
-from .target import Target
+from harness.codes import Diagnosis
+from harness.report.model import DiagnosisReport, build_report
+from harness.run import RunResult
+from harness.strategy import DistContextLike
+from harness.targets.target import Target
 
 __all__ = ["DiagnosedRun", "diagnosis_report", "run_and_diagnose"]
 
@@ -61,7 +61,7 @@ def diagnosis_report(
     from reference.cache import cached_reference
     from reference.record import Record
 
-    from .diagnose import diagnose, load_trace
+    from harness.analysis.diagnose import diagnose, load_trace
 
     # A stepwise comparison's reference is the same-start replay of this run; the engine reads
     # the tensors the comparison was made against.
@@ -85,28 +85,26 @@ def run_and_diagnose(
     ctx: DistContextLike,
     *,
     target: Target | None = None,
-    tolerance: Any = "auto",
-    workdir: str | os.PathLike[str] | None = None,
-    cache: str | os.PathLike[str] | None = None,
-    dst: int = 0,
     report_on_pass: bool = True,
-    comparison: str = "stepwise",
+    **run_options: Any,
 ) -> DiagnosedRun:
     """Collective: train ``strategy`` on every rank with the activation probe on, compare with
     the reference on ``dst`` and diagnose there. ``target`` names the run in the report
     (default: the strategy and case); ``report_on_pass=False`` skips building a report for a
-    run that matched (pytest only needs one to fail with)."""
-    from .diagnose import stage_coverage_diagnosis
-    from .gather import StageCoverageError
-    from .probe import ProbedStrategy, collect_probe
-    from .run import run_strategy
+    run that matched (pytest only needs one to fail with). ``run_options`` are
+    :func:`harness.run.run_strategy`'s (``tolerance``, ``workdir``, ``cache``, ``dst``,
+    ``comparison``), passed on as given."""
+    from harness.analysis.diagnose import stage_coverage_diagnosis
+    from harness.record.gather import StageCoverageError
+    from harness.record.probe import ProbedStrategy, collect_probe
+    from harness.run import run_strategy
 
     started = time.monotonic()
+    dst, cache = run_options.get("dst", 0), run_options.get("cache")
     probed = ProbedStrategy(strategy)
     out = DiagnosedRun(result=None)
     try:
-        out.result = run_strategy(case, probed, ctx, tolerance=tolerance, workdir=workdir, cache=cache, dst=dst,
-                                  comparison=comparison)
+        out.result = run_strategy(case, probed, ctx, **run_options)
     except StageCoverageError as exc:  # raised on every rank alike (the check is collective)
         out.findings.append(stage_coverage_diagnosis(exc))
         out.error = str(exc)

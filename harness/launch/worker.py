@@ -1,10 +1,10 @@
-"""A rank worker: one process of a warm pool, started by ``harness.launcher``.
+"""A rank worker: one process of a warm pool, started by ``harness.launch.pool``.
 
 It joins the default process group once, then runs test bodies the launcher sends, one at
 a time, resetting leaked state between them. A second connection, served by a thread,
 answers "where are you?" even while the main thread is stuck in a collective.
 
-Run as ``python -m harness.worker``; configuration comes in HARNESS_* environment variables.
+Run as ``python -m harness.launch.worker``; configuration comes in HARNESS_* environment variables.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any, Callable
 
-from harness import _proc
-from harness.protocol import (
+from harness import HARNESS_DIR
+from harness.launch import procs
+from harness.launch.protocol import (
     HANDSHAKE_CONTROL,
     CollectiveEntry,
     HANDSHAKE_TASK,
@@ -39,7 +40,7 @@ from harness.protocol import (
 )
 
 _DIST_FUNCTIONS_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
-_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+_HARNESS_DIR = HARNESS_DIR
 
 
 def _connect(port: int, token: bytes, role: bytes, rank: int, timeout: float) -> Connection:
@@ -247,7 +248,7 @@ class RankWorker:
                 request = conn.recv()
             except (EOFError, OSError):
                 # The launcher is gone: take our own tree down rather than linger as an orphan.
-                _proc.kill_tree(os.getpid())
+                procs.kill_tree(os.getpid())
                 os._exit(1)
             if request == "dump":
                 try:
@@ -256,13 +257,13 @@ class RankWorker:
                     pass
 
     def dump(self) -> RankDump:
-        from harness import flight_recorder
+        from harness.tracing import dump, fr
 
         frame = sys._current_frames().get(self.main_ident)
         summary = traceback.extract_stack(frame) if frame is not None else []
         # Start at the test body: the worker's own frames above it say nothing to the user.
         for i, fs in enumerate(summary):
-            if fs.name == "_call_test" and fs.filename.endswith(os.path.join("harness", "worker.py")):
+            if fs.name == "_call_test" and fs.filename.endswith(os.path.join("harness", "launch", "worker.py")):
                 summary = traceback.StackSummary.from_list(summary[i + 1 :])
                 stack = "".join(summary.format())
                 break
@@ -273,7 +274,7 @@ class RankWorker:
         for fs in reversed(summary):
             if not waiting_in and fs.filename.endswith(_DIST_FUNCTIONS_FILE):
                 waiting_in = fs.name
-            if not user_site and not flight_recorder.is_library_frame(fs.filename):
+            if not user_site and not fr.is_library_frame(fs.filename):
                 user_site = f"{fs.filename}:{fs.lineno} in {fs.name}"
         return RankDump(
             rank=self.rank,
@@ -282,8 +283,8 @@ class RankWorker:
             stack=stack,
             waiting_in=waiting_in,
             user_site=user_site,
-            collectives=flight_recorder.read_entries(self.first_record_id)[-20:],
-            stdout_tail=_proc.tail_of(self.capture_path) if self.capture_path else "",
+            collectives=dump.read_entries(self.first_record_id)[-20:],
+            stdout_tail=procs.tail_of(self.capture_path) if self.capture_path else "",
         )
 
     # -- main loop --------------------------------------------------------------------------
@@ -291,7 +292,7 @@ class RankWorker:
         import torch
         import torch.distributed as dist
 
-        from harness.rank_state import RankState
+        from harness.launch.rank_state import RankState
 
         if self.device_type == "cuda":
             torch.cuda.set_device(self.local_rank)
@@ -316,9 +317,9 @@ class RankWorker:
         self.baseline = RankState.capture()
 
     def run(self, task: TestTask) -> RankResult:
-        from harness import flight_recorder
         from harness.context import DistContext
-        from harness.rank_state import seed_everything
+        from harness.launch.rank_state import seed_everything
+        from harness.tracing import dump, hooks
 
         started = time.monotonic()
         self.state = f"running {task.nodeid}"
@@ -327,10 +328,8 @@ class RankWorker:
             os.environ["HARNESS_RUN_DIR"] = task.run_dir
         else:
             os.environ.pop("HARNESS_RUN_DIR", None)
-        self.first_record_id = flight_recorder.last_record_id()
-        from harness.tracing import hooks
-
-        hooks.open_journal(journal_path(self.workdir, self.rank), flight_recorder.seq_ids_at_last_mark())
+        self.first_record_id = dump.last_record_id()
+        hooks.open_journal(journal_path(self.workdir, self.rank), dump.seq_ids_at_last_mark())
         capture = _FdCapture(capture_path(self.workdir, self.rank))
         self.capture_path = capture.path
         outcome, exc_type, message, longrepr = "passed", "", "", ""
@@ -403,7 +402,7 @@ class RankWorker:
     def reset(self) -> ResetResult:
         import torch.distributed as dist
 
-        from harness.rank_state import group_count, release_test_groups
+        from harness.launch.rank_state import group_count, release_test_groups
 
         try:
             if not dist.is_initialized():
@@ -425,7 +424,7 @@ class RankWorker:
 
 
 def main() -> None:
-    _proc.die_with_parent()
+    procs.die_with_parent()
     # faulthandler writes to a copy of the rank's log as it is now: during a test fd 2 is the
     # test's capture file, where a stack dumped on the launcher's request would be lost.
     log_fd = os.dup(2)

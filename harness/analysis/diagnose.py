@@ -1,8 +1,8 @@
 """The diagnosis engine: from a comparison and the run's traces to named causes.
 
 Input is what a run leaves behind - the reference record, the parallel record, the
-:class:`~harness.compare.CompareResult`, the run trace (:mod:`harness.tracing`: samples, mesh,
-collectives), the activation probe (:mod:`harness.probe`) and any structured failure (a
+:class:`~harness.analysis.compare.CompareResult`, the run trace (:mod:`harness.tracing`: samples, mesh,
+collectives), the activation probe (:mod:`harness.record.probe`) and any structured failure (a
 pipeline stage split that lost a layer, a hang). Output is a list of
 :class:`~harness.codes.Diagnosis`, root causes first. A correct run gives an empty list.
 
@@ -36,8 +36,11 @@ import torch
 
 from reference.record import Record
 
-from .codes import Diagnosis
-from .compare import CompareResult, TensorComparison
+from harness.analysis.probe_checks import analyze_probe
+from harness.tracing.checks import run_checks
+from harness.tracing.samples import check_samples
+from harness.codes import Diagnosis
+from harness.analysis.compare import CompareResult, TensorComparison
 
 __all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "load_trace", "stage_coverage_diagnosis", "verdict_for"]
 
@@ -165,7 +168,7 @@ class Analysis:
         different groups are different data-parallel replicas at the same position otherwise
         (same non-dp mesh coordinates and pipeline stages): evidence that replicas, not the
         ranks of one replica, disagree. A rank without a recorded layout counts as a replica."""
-        from .tracing.trace import is_dp_dim
+        from harness.parallel_dims import is_dp_dim
 
         position = {
             int(r.get("rank", i)): (
@@ -202,38 +205,16 @@ class Analysis:
     # -- trace checks (harness.tracing) --------------------------------------------------------
 
     def _trace_checks(self, found: list[Diagnosis]) -> list[Diagnosis]:
-        try:
-            from . import tracing
-        except ImportError:
-            tracing = None
-        if not hasattr(tracing, "check_samples"):
-            return self._sample_fallback()
-        out: list[Diagnosis] = []
         known = {d.code for d in found}
         try:
-            if self.trace is not None and hasattr(tracing, "run_checks"):
-                out = list(tracing.run_checks(self.act, self.ref, self.trace))
-            elif hasattr(tracing, "check_samples"):
-                out = list(tracing.check_samples(self.act, self.ref))
+            if self.trace is not None:
+                out = list(run_checks(self.act, self.ref, self.trace))
+            else:
+                out = list(check_samples(self.act, self.ref))
         except Exception as exc:  # noqa: BLE001 - a broken check must not hide the others
             out = []
             self.cmp.notes.append(f"trace checks failed: {type(exc).__name__}: {exc}")
         return [d for d in out if d.code not in known]
-
-    def _sample_fallback(self) -> list[Diagnosis]:
-        """Without the tracing package: name duplicated / dropped samples from the comparison."""
-        out = []
-        dup = [(s.step, s.duplicated) for s in self.cmp.samples if s.duplicated]
-        missing = [(s.step, s.missing) for s in self.cmp.samples if s.missing]
-        if dup:
-            out.append(Diagnosis("duplicate-samples", f"sample {dup[0][1][0]} consumed twice at step {dup[0][0]}",
-                                 {"steps": {str(s): ids for s, ids in dup}}))
-        if missing:
-            out.append(Diagnosis("dropped-samples", f"{sum(len(i) for _, i in missing)} samples never consumed",
-                                 {"steps": {str(s): ids for s, ids in missing}}))
-        return out
-
-    # -- structure ---------------------------------------------------------------------------
 
     def _structure(self) -> list[Diagnosis]:
         out: list[Diagnosis] = []
@@ -521,7 +502,7 @@ class Analysis:
         for a run that failed its comparison and has no cause named yet."""
         if self.cmp.passed or self.trace is None or any(d.code in _ROOT_CODES for d in found):
             return []
-        from .tracing.random_ops import check_random_ops
+        from harness.tracing.random_ops import check_random_ops
 
         draws = {rank: rt.random_ops for rank, rt in self.trace.ranks.items() if rt.random_ops}
         return check_random_ops(draws, self.layouts) if draws else []
@@ -530,10 +511,6 @@ class Analysis:
 
     def _probe_findings(self, found: list[Diagnosis]) -> list[Diagnosis]:
         if self.probe is None or self.case is None:
-            return []
-        try:
-            from .probe import analyze_probe
-        except ImportError:
             return []
         known = {d.code for d in found}
         try:
@@ -590,19 +567,11 @@ def _dedupe(found: list[Diagnosis]) -> list[Diagnosis]:
     return out
 
 
-def diagnose(
-    comparison: CompareResult,
-    reference: Record,
-    actual: Record,
-    *,
-    trace: Any = None,
-    findings: Iterable[Diagnosis] = (),
-    probe: Any = None,
-    case: Any = None,
-) -> list[Diagnosis]:
-    """Named causes for a compared run (empty when it matches the reference). ``probe`` and
-    ``case`` enable the activation checks (:mod:`harness.probe`)."""
-    return Analysis(comparison, reference, actual, trace=trace, findings=findings, probe=probe, case=case).run()
+def diagnose(comparison: CompareResult, reference: Record, actual: Record, **facts: Any) -> list[Diagnosis]:
+    """Named causes for a compared run (empty when it matches the reference). ``facts`` are
+    :class:`Analysis`'s: ``trace``, ``findings``, and ``probe`` with ``case`` for the
+    activation checks (:mod:`harness.record.probe`)."""
+    return Analysis(comparison, reference, actual, **facts).run()
 
 
 def load_trace(path: str | os.PathLike[str] | None) -> Any:
@@ -612,7 +581,7 @@ def load_trace(path: str | os.PathLike[str] | None) -> Any:
     if not path:
         return None
     try:
-        from .tracing import RunTrace
+        from harness.tracing import RunTrace
 
         return RunTrace.load(path)
     except (ImportError, OSError, ValueError):
@@ -640,7 +609,7 @@ def _modules(names: Iterable[str]) -> list[str]:
 
 
 def stage_coverage_diagnosis(exc: Any) -> Diagnosis:
-    """``pp-stage-coverage`` from a :class:`harness.gather.StageCoverageError` (which every
+    """``pp-stage-coverage`` from a :class:`harness.record.gather.StageCoverageError` (which every
     rank raises alike: the check is collective)."""
     missing, duplicated = list(exc.missing), {k: list(v) for k, v in exc.duplicated.items()}
     parts = []

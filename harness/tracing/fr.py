@@ -4,7 +4,7 @@ Flight Recorder (enabled by ``TORCH_FR_BUFFER_SIZE`` before the process group is
 records every collective issued through c10d, on gloo as well as NCCL, including those
 issued from C++ such as DDP's reducer, with the Python stack that issued it. On gloo it does
 not record point-to-point ops at all, and nowhere the peer of a p2p op or a collective's reduce
-op: :mod:`harness.tracing.hooks` records those from Python, and :func:`read_entries` merges
+op: :mod:`harness.tracing.hooks` records those from Python, and :func:`harness.tracing.dump.read_entries` merges
 both into ``CollectiveEntry`` rows (pairing a Python call with FR's entry by process group
 and time). The launcher turns FR on in every rank worker.
 
@@ -17,24 +17,26 @@ sites from the Python hooks, falling back to FR's stacks only for C++-issued col
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import os
 import pickle
-import time
 from typing import Any
 
-from harness.protocol import CollectiveEntry
+from harness import HARNESS_DIR
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-DEFAULT_FR_BUFFER = "20000"
+RANK_FR_BUFFER = "20000"  # entries per rank: the launcher sets it before the process group exists
 
-_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__)))
-_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
-# after_record_id handed out by last_record_id() -> (wall clock, Python hook position) at that
-# moment, so read_entries(after_record_id) can cut the Python-side log at the same point.
-_MARKS: dict[int, tuple[int, int]] = {}
-_LAST_SEQS: dict[str, int] = {}
+
+@functools.lru_cache(maxsize=1)
+def _torch_dir() -> str:
+    """torch's package directory, found without importing torch (the plugin stays cheap)."""
+    spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec is not None and spec.origin else ""
+    return os.path.dirname(os.path.abspath(origin)) if origin else os.sep + "nonexistent-torch"
 
 
 def is_library_frame(filename: str) -> bool:
@@ -43,8 +45,8 @@ def is_library_frame(filename: str) -> bool:
     if not path or path.startswith("<"):
         return True
     return (
-        path.startswith(os.path.join(_TORCH_DIR, "torch") + os.sep)
-        or path.startswith(_HARNESS_DIR + os.sep)
+        path.startswith(_torch_dir() + os.sep)
+        or path.startswith(HARNESS_DIR + os.sep)
         or path.startswith(_STDLIB_DIR + os.sep)
         or f"{os.sep}_pytest{os.sep}" in path
         or f"{os.sep}pluggy{os.sep}" in path
@@ -73,14 +75,6 @@ def _parse_ranks(text: object) -> list[int] | None:
     return ranks or None
 
 
-def enabled() -> bool:
-    """Whether Flight Recorder was asked for in this process (it must be before the group)."""
-    try:
-        return int(os.environ.get(FR_BUFFER_ENV, "0") or 0) > 0
-    except ValueError:
-        return False
-
-
 def dump(with_stacks: bool = False) -> dict[str, Any] | None:
     """FR's raw dump (``pg_config``, ``entries``...), None when unavailable in this build."""
     try:
@@ -100,66 +94,17 @@ def group_ranks_from_config(dump_data: dict[str, Any], pg_name: str, pg_desc: st
     return _parse_ranks(config.get("ranks")) if config else None
 
 
-def read_entries(after_record_id: int = -1, with_stacks: bool = True) -> list[CollectiveEntry]:
-    """Collectives and p2p ops of this rank, oldest first: FR's entries with a record id above
-    ``after_record_id`` merged with the Python hooks' calls since :func:`last_record_id`
-    returned that id.
-
-    Returns what the Python hooks saw when Flight Recorder is off or unavailable.
-    ``with_stacks=False`` skips symbolizing FR's stacks (call sites then come from the hooks
-    only, which see every collective issued from Python)."""
-    from harness.tracing import collectives, hooks
-
-    since_ns, py_mark = _MARKS.get(after_record_id, (0, 0))
-    data = dump(with_stacks) or {}
-    raw = [e for e in data.get("entries", []) or [] if e.get("record_id", -1) > after_record_id]
-    calls = [c for c in hooks.calls_since(py_mark) if c.t0_ns >= since_ns]
-    records = collectives.merge(data, raw, calls)
-    collectives.renumber_p2p(records)  # p2p ops counted from the mark, like a test's collectives
-    from harness.tracing.trace import current_tracer
-
-    tracer = current_tracer()
-    if tracer is not None:  # a traced run: each record's step and phase ("harness" for its own)
-        tracer.attribute(records)
-    return [collectives.to_entry(r) for r in records]
+def p2p_peer(op: str, peer: int | None) -> str:
+    """'to rank 1' for a send, 'from rank 0' / 'from any rank' for a receive."""
+    arrow = "to" if op.startswith(("send", "isend")) else "from"
+    return f"{arrow} {'any rank' if peer is None else f'rank {peer}'}"
 
 
-def last_record_id() -> int:
-    """The newest FR record id so far (-1 when nothing is recorded yet). Remembers this moment
-    so that ``read_entries(<that id>)`` also cuts the Python-side log here.
-
-    The launcher calls this as each test starts; it also installs the Python-side hooks
-    (idempotent), so that p2p ops are in the ranks' dumps from the first test on."""
-    from harness.tracing import hooks
-
-    hooks.install()
-    data = dump(with_stacks=False) or {}
-    entries = data.get("entries", []) or []
-    rid = int(entries[-1].get("record_id", -1)) if entries else -1
-    _MARKS[rid] = (time.time_ns(), hooks.mark())
-    _LAST_SEQS.clear()
-    for e in entries:
-        name = str((tuple(e.get("process_group", ("?",))) + ("?",))[0])
-        if e.get("collective_seq_id"):
-            _LAST_SEQS[name] = max(_LAST_SEQS.get(name, 0), int(e["collective_seq_id"]))
-    if len(_MARKS) > 64:  # only the newest marks are ever asked for
-        for key in list(_MARKS)[:-32]:
-            _MARKS.pop(key, None)
-    return rid
-
-
-def seq_ids_at_last_mark() -> dict[str, int]:
-    """Each process group's last collective sequence number in Flight Recorder when
-    :func:`last_record_id` was last called (the journal numbers on from there)."""
-    return dict(_LAST_SEQS)
-
-
-def format_entry(entry: CollectiveEntry) -> str:
+def format_entry(entry: Any) -> str:
+    """One ``CollectiveEntry`` (the launcher protocol's row) as a report line."""
     if getattr(entry, "is_p2p", False):
-        arrow = "to" if entry.op.startswith(("send", "isend")) else "from"
-        peer = "any rank" if entry.peer is None else f"rank {entry.peer}"
         return (
-            f"{entry.op} p2p#{entry.p2p_seq_id} {arrow} {peer} on pg {entry.process_group} "
+            f"{entry.op} p2p#{entry.p2p_seq_id} {p2p_peer(entry.op, entry.peer)} on pg {entry.process_group} "
             f"sizes={entry.input_sizes} at {entry.call_site}"
         )
     seq = f"#{entry.seq_id}" if entry.seq_id else f"p2p#{entry.p2p_seq_id}"

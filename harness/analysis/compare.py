@@ -24,7 +24,8 @@ from deepdiff import DeepDiff
 from reference.record import KINDS, Record
 from reference.trainer import NonFiniteReferenceError
 
-from .tolerance import DefaultTolerances, Tolerance, TolerancePolicy, reference_dtype
+from harness.codes import jsonable
+from harness.analysis.tolerance import DefaultTolerances, Tolerance, TolerancePolicy, adaptive_sign_noise, reference_dtype
 
 __all__ = [
     "COMPARE_KINDS",
@@ -255,7 +256,7 @@ class CompareResult:
         data["passed"] = self.passed
         div = self.first_divergence
         data["first_divergence"] = asdict(div) if div else None
-        return _jsonable(data)
+        return jsonable(data)
 
 
 def trajectory_view(result: CompareResult) -> dict[str, Any]:
@@ -278,7 +279,7 @@ def trajectory_view(result: CompareResult) -> dict[str, Any]:
         line = (f"drifts from the reference's trajectory from step {div.step} "
                 f"({len(result.failures())} tensors beyond {result.tolerance.get('mode', '?')} tolerance; "
                 f"largest parameter drift {worst:.3g} of the parameter's magnitude)")
-    return _jsonable({
+    return jsonable({
         "reference": result.reference,
         "within_tolerance": result.passed,
         "first_divergence": {"step": div.step, "entries": [list(e) for e in div.entries[:20]]} if div else None,
@@ -297,16 +298,6 @@ def _ranges(steps: list[int]) -> str:
             spans.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = cur
     return ", ".join(spans)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 # -- tensors -------------------------------------------------------------------------------
@@ -554,61 +545,6 @@ def compare(
                 )
         _excuse_sign_noise(reference, actual, result, step, sign_uncertain_counts)
     return result
-
-
-# An adaptive step moves an element by at most about lr (|m_hat / sqrt(v_hat)| <= ~1); a sign
-# flip of its gradient therefore costs at most ~2 lr per step. The margin covers weight decay
-# and bias correction at the first steps.
-_SIGN_FLIP_STEP = 2.5
-
-
-def adaptive_sign_noise(
-    reference: Record,
-    actual: Record,
-    result: CompareResult,
-    param: TensorComparison,
-    counts: dict[str, tuple[int, torch.Tensor]] | None = None,
-) -> int | None:
-    """How many of ``param``'s out-of-tolerance elements an adaptive optimizer's sign noise
-    explains, or None when it does not explain all of them.
-
-    Adam-family optimizers (an ``exp_avg_sq`` in the state) move an element by about +-lr
-    whatever its gradient's size. Where the reference gradient is within the comparison's own
-    gradient tolerance of 0 - so a correct run may see the other sign - the step's direction is
-    rounding noise and a correct run lands up to 2 lr away (common in bf16). An element is
-    explained when it differs by at most ~2 lr for each step up to this one at which its
-    gradient was sign-uncertain, and there was at least one; gradients, loss and optimizer
-    state are still compared as usual, so a real bug (which moves gradients, or elements whose
-    gradient is clearly non-zero, or by more than the bound) still fails.
-
-    ``counts`` carries each parameter's count of sign-uncertain steps from one call to the next
-    (:func:`compare` passes one per comparison), so a parameter that stays off step after step
-    is counted once per step, not from step 0 again."""
-    step, name = param.step, param.name
-    if param.kind != "param" or f"{name}.exp_avg_sq" not in reference.step(step).names("optim"):
-        return None
-    lrs = [g.get("lr") for g in reference.step(step).param_groups if name in g.get("params", [])]
-    if len(lrs) != 1 or not isinstance(lrs[0], (int, float)) or lrs[0] <= 0:
-        return None
-    counts = {} if counts is None else counts
-    counted, uncertain_steps = counts.get(name, (-1, None))
-    for j in range(counted + 1, step + 1):
-        try:
-            grad_tol = result.get(j, "grad", name).tolerance
-        except KeyError:
-            return None
-        g = reference.tensor(j, "grad", name).double().abs()
-        uncertain = (g <= grad_tol.atol + grad_tol.rtol * g).to(torch.int64)
-        uncertain_steps = uncertain if uncertain_steps is None else uncertain_steps + uncertain
-        counts[name] = (j, uncertain_steps)
-    assert uncertain_steps is not None
-    a, e = actual.tensor(step, "param", name).double(), reference.tensor(step, "param", name).double()
-    diff = (a - e).abs()
-    differs = ~(diff <= param.tolerance.atol + param.tolerance.rtol * e.abs())  # NaN differs
-    explained = (uncertain_steps > 0) & (diff <= _SIGN_FLIP_STEP * float(lrs[0]) * uncertain_steps)
-    if not bool((~differs | explained).all()):
-        return None
-    return int(differs.sum())
 
 
 def _excuse_sign_noise(

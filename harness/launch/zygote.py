@@ -5,7 +5,7 @@ start. The zygote imports torch (without touching CUDA or starting compute threa
 forks each rank on request, so a pool (re)start after a crash or hang costs milliseconds.
 Each forked rank leads its own session, so the launcher can still kill its whole tree.
 
-Run as ``python -m harness.zygote FD``, FD being its end of a socketpair with the launcher.
+Run as ``python -m harness.launch.zygote FD``, FD being its end of a socketpair with the launcher.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from harness import _proc
+from harness.launch import procs
 
 
 def _child(conn: Connection, env: dict[str, str], log_path: str, cwd: str) -> None:
@@ -32,7 +32,7 @@ def _child(conn: Connection, env: dict[str, str], log_path: str, cwd: str) -> No
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        from harness import worker
+        from harness.launch import worker
 
         worker.main()
     finally:
@@ -51,10 +51,10 @@ def _reap(statuses: dict[int, int]) -> None:
 
 
 def main() -> None:
-    _proc.die_with_parent()
+    procs.die_with_parent()
     # A rank's children outlive a crashed rank as this process's children, not init's: the
     # fork server's tree (killed when the session ends) still holds them.
-    _proc.become_subreaper()
+    procs.become_subreaper()
     conn = Connection(int(sys.argv[1]))
     # What every rank needs, imported once here and inherited by fork.
     import _pytest._code  # noqa: F401
@@ -62,9 +62,9 @@ def main() -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    import harness.flight_recorder  # noqa: F401
-    import harness.rank_state  # noqa: F401
-    import harness.worker  # noqa: F401
+    import harness.tracing.fr  # noqa: F401
+    import harness.launch.rank_state  # noqa: F401
+    import harness.launch.worker  # noqa: F401
 
     statuses: dict[int, int] = {}
     children: set[int] = set()
@@ -97,7 +97,7 @@ def main() -> None:
             conn.send(("status", statuses.get(pid)))
     # The launcher is gone: nothing of ours may outlive it.
     for pid in children:
-        _proc.kill_tree(pid)
+        procs.kill_tree(pid)
     os._exit(0)
 
 

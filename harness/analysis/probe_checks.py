@@ -1,0 +1,166 @@
+"""The activation probe's analysis, on the collecting rank: replay the reference model (same
+weights, same step-0 state) on each rank's own captured input and compare module by module
+with what the ranks captured (:mod:`harness.record.probe` records them):
+
+- a module whose output on every rank of a tensor-parallel group differs from the reference,
+  while the *sum* over the group equals it, is a row-parallel output used without its
+  all-reduce: ``tp-partial-sum``;
+- a dropout module whose inputs agree across a tensor-parallel group but whose outputs
+  (masks) differ: ``rng-desync``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from reference.case import Case, tensors_in
+
+from harness.codes import Diagnosis
+from harness.record.probe import OUTPUT, ProbeData, first_tensor
+
+__all__ = ["analyze_probe"]
+
+
+def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model = case.build_model("cpu")
+    outs: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+            t = first_tensor(output)
+            if t is not None and name not in outs:
+                outs[name] = t.detach().float().clone()
+
+        handles.append(module.register_forward_hook(hook))
+    def whole(module: nn.Module, args: tuple, output: Any) -> None:
+        t = first_tensor(output)
+        if t is not None:
+            outs.setdefault(OUTPUT, t.detach().float().clone())
+
+    handles.append(model.register_forward_hook(whole))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(case.seed)
+            case.call_model(model, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return outs
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Two inputs (tensors, or dicts / tuples of them) hold equal tensors."""
+    ta, tb = tensors_in(a), tensors_in(b)
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = max(float(b.abs().max()), 1e-6) if b.numel() else 1.0
+    return bool(torch.allclose(a, b, rtol=2e-3, atol=2e-4 * scale))
+
+
+def _partial_sum(locals_: list[torch.Tensor], expected: torch.Tensor) -> bool:
+    """The ranks' outputs differ from each other and add up to the reference, up to a
+    per-feature constant (a bias added on every rank before the missing reduction)."""
+    if all(_close(t, locals_[0]) for t in locals_[1:]):
+        return False
+    diff = torch.stack(locals_).sum(0) - expected
+    # Judged against the output's own magnitude: without a bias the difference is rounding
+    # only, and a tolerance scaled by that difference would call rounding a mismatch.
+    atol = 2e-4 * max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
+    if expected.dim() == 0:
+        return bool(diff.abs().max() <= atol)
+    flat = diff.reshape(-1, diff.shape[-1])
+    return bool(torch.allclose(flat, flat.mean(0, keepdim=True).expand_as(flat), rtol=2e-3, atol=atol))
+
+
+def _tp_groups(data: ProbeData) -> list[list[int]]:
+    groups = []
+    for r in data.ranks:
+        g = r["groups"].get("tp")
+        if g and len(g) > 1 and sorted(g) not in groups:
+            groups.append(sorted(g))
+    return groups
+
+
+def analyze_probe(data: ProbeData | None, case: Case) -> list[Diagnosis]:
+    """``tp-partial-sum`` and ``rng-desync`` from the captures (see the module docstring)."""
+    if data is None:
+        return []
+    by_rank = {r["rank"]: r for r in data.ranks}
+    out: list[Diagnosis] = []
+    ref_cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    def reference_for(rank: int) -> dict[str, torch.Tensor] | None:
+        entry = by_rank[rank]
+        if entry["input"] is None or (entry["stages"] not in (None, [0])):
+            return None  # later pipeline stages do not see the model input
+        if rank not in ref_cache:
+            ref_cache[rank] = _reference_outputs(case, entry["input"])
+        return ref_cache[rank]
+
+    for group in _tp_groups(data):
+        members = [by_rank[r] for r in group if r in by_rank]
+        order = members[0]["order"]
+        # rng-desync: a dropout whose inputs agree across the group but whose outputs differ.
+        for name in order:
+            caps = [m["captures"].get(name) for m in members]
+            if any(c is None for c in caps) or caps[0].p is None or not caps[0].p:
+                continue
+            if any(c.input is None or c.input.shape != caps[0].input.shape for c in caps):
+                continue
+            same_in = all(_close(c.input, caps[0].input) for c in caps[1:])
+            masks = [(c.output == 0) for c in caps]
+            same_mask = all(torch.equal(m, masks[0]) for m in masks[1:])
+            if same_in and not same_mask:
+                differing = float((masks[0] != masks[1]).float().mean()) if len(masks) > 1 else 0.0
+                out.append(
+                    Diagnosis(
+                        "rng-desync",
+                        f"dropout {name!r} drew different masks on tensor-parallel ranks {group} for the same input",
+                        {"module": name, "ranks": group, "p": caps[0].p, "fraction_of_mask_differing": differing,
+                         "likely_source": "the ranks of a tensor-parallel group seed or advance their RNG differently (e.g. seeding with the rank)"},
+                    )
+                )
+                break
+        # tp-partial-sum: outputs differ from the reference, their sum over the group matches.
+        refs = [reference_for(r) for r in group]
+        if any(ref is None for ref in refs):
+            continue
+        inputs_agree = all(_same_values(m["input"], members[0]["input"]) for m in members[1:])
+        if not inputs_agree:
+            continue
+        ref = refs[0]
+        final = [m["captures"].get(OUTPUT) for m in members]
+        if OUTPUT in ref and all(c is not None for c in final) and all(_close(c.output, ref[OUTPUT]) for c in final):
+            continue  # the model's output is right on every rank: whatever is partial inside gets reduced later
+        for name in order:
+            caps = [m["captures"].get(name) for m in members]
+            if name == OUTPUT or name not in ref or any(c is None for c in caps) or caps[0].p:
+                continue
+            expected = ref[name]
+            locals_ = [c.output for c in caps]
+            if any(t.shape != expected.shape for t in locals_):
+                continue  # a shard, not a full output
+            if all(_close(t, expected) for t in locals_):
+                continue
+            if _partial_sum(locals_, expected):
+                out.append(
+                    Diagnosis(
+                        "tp-partial-sum",
+                        f"module {name!r}: each tensor-parallel rank's output is a partial sum; summed over ranks {group} it gives the reference's",
+                        {"module": name, "ranks": group, "module_type": caps[0].module_type,
+                         "max_abs_error_per_rank": [float((t - expected).abs().max()) for t in locals_],
+                         "likely_source": "a row-parallel layer's output used without its all-reduce over the tensor-parallel group"},
+                    )
+                )
+            break  # only the first module that differs from the reference is evidence
+    return out

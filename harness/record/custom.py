@@ -1,0 +1,181 @@
+"""Glue for custom parallel training loops: a few calls and the harness diagnoses your code.
+
+A target file with your own loop defines ``CASE`` and ``train(ctx, run)``; the harness calls
+``train`` on every rank with a :class:`CustomRun`. The lines marked ``# harness`` are all the
+glue there is (see ``cases/custom_example.py`` for a complete file)::
+
+    CASE = mlp_case()
+
+    def train(ctx, run):
+        model = CASE.build_model(ctx.device)                      # same weights on every rank
+        opt = CASE.build_optimizer(model.parameters())
+        run.watch(model, opt, RankLayout.data_parallel(ctx.rank, ctx.world_size))  # harness
+        for step in range(run.steps):
+            for batch in run.batches(step):                       # or your loader + batch ids
+                loss = CASE.forward_loss(model, batch)
+                (loss * run.loss_weight(batch)).backward()
+                run.loss(step, loss, batch.ids)                   # harness
+            my_gradient_sync(model)
+            run.before_step(step)                                 # harness
+            opt.step()
+            run.after_step(step)                                  # harness
+            opt.zero_grad()
+
+Hand-sharded tensors (a plain tensor holding this rank's slice) are declared once with
+``run.shard(param, dim=0, group=tp_group)`` so the harness can gather them to full shape.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from reference.case import Batch, Case, collate, map_tensors
+from reference.schedule import replica_micro_batch_indices
+
+from harness.record.gather import annotate_shard, rename_parameters
+from harness.parallel_dims import RankLayout
+from harness.record.recorder import RankRecorder, RecorderError
+
+__all__ = ["CustomRun"]
+
+
+class CustomRun:
+    """The harness's side of a custom loop on one rank (all hooks are collective except
+    :meth:`loss`, :meth:`batches` and :meth:`shard`)."""
+
+    def __init__(
+        self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0, tracer: Any = None
+    ):
+        self.tracer = tracer  # a harness.tracing.Tracer: samples, groups and collectives of the loop
+        self._traced_step: int | None = None
+        self.case = case
+        self.ctx = ctx
+        self.record_path = record_path
+        self.dst = dst
+        self.recorder: RankRecorder | None = None
+        self.layout: RankLayout | None = None
+        self.model: Any = None
+        self.probe: Any = None  # harness.record.probe.ActivationProbe once watch() was called
+
+    @property
+    def steps(self) -> int:
+        return self.case.steps
+
+    def watch(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        layout: RankLayout | None = None,
+        *,
+        names: Mapping[str, str] | Callable[[str], str] | None = None,
+    ) -> None:
+        """Collective: record ``model``/``optimizer`` from now on. ``layout`` says which
+        data-parallel replica / pipeline stage / mesh coordinate this rank is (default: plain
+        data parallelism over every rank). ``names``: where your parameter names differ from
+        the reference model's, a mapping ``{"up_w": "up.weight"}`` or a function of the name
+        (:func:`harness.record.gather.rename_parameters`)."""
+        if self.recorder is not None:
+            raise RecorderError("run.watch() was called twice; call it once, after building the model and optimizer")
+        if names is not None:
+            for module in [model] if isinstance(model, nn.Module) else list(model):
+                rename_parameters(module, names)
+        self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        self.model = model
+        # The activation probe, as for bundled strategies: module outputs of the first forward
+        # (tp-partial-sum, dropout masks), collected after the run.
+        from harness.record.probe import ActivationProbe
+
+        self.probe = ActivationProbe()
+        self.probe.attach([model] if isinstance(model, nn.Module) else list(model))
+        # The training RNG starts where the reference's does: from the case seed, after the
+        # model was built (building it drew the initial weights from the same generator).
+        torch.manual_seed(self.case.seed)
+        if self.tracer is not None:
+            self.tracer.describe(layout=self.layout, model=model)
+            self.tracer.log_random_ops(True)  # until the first before_step: the rng-desync check
+        with self._harness_phase():
+            self.recorder = RankRecorder(
+                self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
+                source="custom", dst=self.dst, overwrite=True,
+            )
+
+    def _harness_phase(self) -> Any:
+        import contextlib
+
+        return self.tracer.phase("harness") if self.tracer is not None else contextlib.nullcontext()
+
+    def _step(self, step: int) -> None:
+        if self.tracer is not None and self._traced_step != step:
+            self._traced_step = step
+            self.tracer.begin_step(step)
+            self.tracer.set_phase("train")
+
+    def _rec(self, hook: str) -> RankRecorder:
+        if self.recorder is None:
+            raise RecorderError(f"run.{hook}() before run.watch(model, optimizer, layout): call watch first")
+        return self.recorder
+
+    def batches(self, step: int, device: torch.device | None = None) -> list[Batch]:
+        """This rank's micro-batches of ``step`` as ``DistributedSampler`` would shard them
+        over the layout's data-parallel replicas (use your own loader if you prefer; then pass
+        its sample ids to :meth:`loss`)."""
+        layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        batches = [
+            collate(self.case.dataset, idx, device=device or self.ctx.device, dtype=self.case.dtype)
+            for idx in replica_micro_batch_indices(self.case, step, layout.dp_rank, layout.dp_size)
+        ]
+        if step == 0 and batches and self.probe is not None and self.probe.input is None:
+            # The probe replays the reference on the input of the first forward, this one.
+            self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), batches[0].inputs)
+        return batches
+
+    def loss_weight(self, batch: Batch | int, *, grad_reduction: str = "mean") -> float:
+        """The factor on a micro-batch's loss (as ``CASE.loss_fn`` returns it: see
+        ``Case.loss_reduction``) that makes the gradients, once averaged (``grad_reduction=
+        "mean"``) or summed (``"sum"``) over the layout's replicas, equal those of the
+        global-batch mean (see :meth:`reference.case.Case.loss_weight`)."""
+        layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        n = batch if isinstance(batch, int) else len(batch)
+        return self.case.loss_weight(n, layout.dp_size, grad_reduction=grad_reduction)
+
+    def loss(self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int]) -> None:
+        """Local: this rank consumed ``sample_ids`` in its next micro-batch, with ``loss`` the
+        unweighted mean loss over them (None on ranks that compute no loss)."""
+        self._rec("loss").micro_batch(step, loss, sample_ids)
+        self._step(step)
+        if self.tracer is not None:
+            self.tracer.record_samples(step, sample_ids)
+
+    def shard(self, tensor: torch.Tensor, dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Declare a hand-sharded tensor: this rank holds its slice along ``dim`` among the
+        ranks of ``group`` (in group-rank order)."""
+        return annotate_shard(tensor, dim=dim, group=group, **kwargs)
+
+    def before_step(self, step: int) -> None:
+        """Collective: call just before ``optimizer.step()`` (records full gradients)."""
+        rec = self._rec("before_step")
+        self._step(step)
+        if self.tracer is not None:
+            self.tracer.log_random_ops(False)
+        if self.probe is not None:
+            self.probe.detach()
+        with self._harness_phase():
+            rec.grads(step)
+
+    def after_step(self, step: int) -> None:
+        """Collective: call just after ``optimizer.step()`` (parameters, optimizer state)."""
+        rec = self._rec("after_step")
+        with self._harness_phase():
+            rec.after_step(step)
+        if self.tracer is not None:
+            self.tracer.set_phase("train")
+
+    def finish(self, *, complete: bool = True) -> Any:
+        if self.recorder is None:
+            raise RecorderError("the custom train function never called run.watch(model, optimizer, layout)")
+        return self.recorder.finish(complete=complete)

@@ -1,0 +1,181 @@
+"""Activation probe: module outputs of the first forward, on every rank, against the reference.
+
+Gradients tell *that* a forward was wrong; module outputs tell *where*. The probe wraps a
+strategy (:class:`ProbedStrategy`), hooks every submodule during the first micro-batch of step
+0, and keeps each module's local output (plus the inputs of dropout modules). After the run the
+ranks send their captures to one rank (:func:`collect_probe`), which replays the reference
+model - same weights, same step-0 state - on each rank's own input and compares module by
+module (:func:`harness.analysis.probe_checks.analyze_probe`):
+
+- a module whose output on every rank of a tensor-parallel group differs from the reference,
+  while the *sum* over the group equals it, is a row-parallel output used without its
+  all-reduce: ``tp-partial-sum``;
+- a dropout module whose inputs agree across a tensor-parallel group but whose outputs
+  (masks) differ: ``rng-desync``.
+
+Only tensors up to ``max_numel`` elements are kept; the probe is for the small models of
+correctness tests, not for production-size activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference.record import is_dtensor
+from reference.case import Batch, Case, map_tensors
+
+from harness.record.gather import reference_name
+
+__all__ = ["OUTPUT", "ActivationProbe", "ProbeData", "ProbedStrategy", "collect_probe"]
+
+OUTPUT = "<output>"  # capture name of the whole model's output
+
+
+def first_tensor(value: Any, depth: int = 0) -> Any:
+    """The first tensor in a module's output: the tensor itself, or depth first through
+    tuples, lists and mappings (a Hugging Face ``ModelOutput`` is an ordered mapping whose
+    first tensor is ``loss`` when labels were given, else ``logits``); None when there is none."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if depth > 4:
+        return None
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = first_tensor(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+@dataclass
+class Capture:
+    module_type: str
+    output: torch.Tensor
+    placements: str | None = None  # DTensor placements of the output, None for plain tensors
+    replicated: bool = True  # a DTensor output whose placements are all Replicate, or a plain tensor
+    input: torch.Tensor | None = None  # kept for dropout modules only
+    p: float | None = None  # dropout probability
+
+
+class ActivationProbe:
+    """Forward hooks that keep the first output of every submodule (call :meth:`attach`
+    before the forward, :meth:`detach` after)."""
+
+    def __init__(self, max_numel: int = 1 << 20):
+        self.max_numel = max_numel
+        self.captures: dict[str, Capture] = {}
+        self.order: list[str] = []
+        self.input: torch.Tensor | None = None
+        self._handles: list[Any] = []
+
+    def attach(self, models: list[nn.Module]) -> None:
+        for i, model in enumerate(models):
+            for raw, module in model.named_modules():
+                if module is model or not raw:
+                    continue
+                name = reference_name(model, raw)
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+            if len(models) == 1:  # the model's own output (pipeline chunks have none of their own)
+                self._handles.append(model.register_forward_hook(self._hook(OUTPUT)))
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if name in self.captures:
+                return
+            out = first_tensor(output)
+            if out is None or out.numel() > self.max_numel:
+                return
+            placements = None
+            replicated = True
+            if is_dtensor(out):
+                placements = str(tuple(out.placements))
+                replicated = all(type(p).__name__ == "Replicate" for p in out.placements)
+                out = out.to_local()
+            cap = Capture(type(module).__name__, out.detach().float().cpu().clone(), placements, replicated)
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                inp = first_tensor(args)
+                if inp is not None:
+                    inp = inp.to_local() if is_dtensor(inp) else inp
+                    cap.input = inp.detach().float().cpu().clone()
+                cap.p = float(module.p)
+            self.captures[name] = cap
+            self.order.append(name)
+
+        return hook
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class ProbedStrategy:
+    """Wraps a strategy; probes the first micro-batch of its first forward/backward. Behaves
+    exactly like the wrapped strategy otherwise (same name, same steps)."""
+
+    def __init__(self, inner: Any, probe: ActivationProbe | None = None):
+        self.inner = inner
+        self.name = inner.name
+        self.probe = probe or ActivationProbe()
+        self.layout: Any = None
+        self._done = False
+
+    def setup(self, case: Case, ctx: Any) -> Any:
+        setup = self.inner.setup(case, ctx)
+        self.layout = setup.layout
+        return setup
+
+    def local_batches(self, case: Case, setup: Any, step: int) -> list[Batch]:
+        return self.inner.local_batches(case, setup, step)
+
+    def forward_backward(self, case: Case, setup: Any, micro_batches: list[Batch]) -> list[Any]:
+        if self._done or not micro_batches:
+            return self.inner.forward_backward(case, setup, micro_batches)
+        self._done = True
+        models = [setup.model] if isinstance(setup.model, nn.Module) else list(setup.model)
+        self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), micro_batches[0].inputs)
+        self.probe.attach(models)
+        try:
+            return self.inner.forward_backward(case, setup, micro_batches)
+        finally:
+            self.probe.detach()
+
+    def optimizer_step(self, case: Case, setup: Any) -> None:
+        self.inner.optimizer_step(case, setup)
+
+    def __getattr__(self, name: str) -> Any:  # anything else the wrapped strategy offers
+        return getattr(self.inner, name)
+
+
+@dataclass
+class ProbeData:
+    """Every rank's captures, on the rank that collected them."""
+
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
+    """Collective: send every rank's captures to ``dst`` (returns them there, None elsewhere).
+    ``strategy``: a :class:`ProbedStrategy`, or anything with its ``layout`` and ``probe`` (a
+    custom loop's ``CustomRun``)."""
+    layout = strategy.layout
+    mine = {
+        "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "mesh": dict(layout.mesh) if layout is not None else {},
+        "groups": {k: list(v) for k, v in layout.groups.items()} if layout is not None else {},
+        "stages": list(layout.stages) if layout is not None and layout.stages is not None else None,
+        "input": strategy.probe.input,
+        "order": strategy.probe.order,
+        "captures": strategy.probe.captures,
+    }
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ProbeData([mine])
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, out, dst=dst)
+    return ProbeData(list(out)) if out is not None else None

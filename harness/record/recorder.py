@@ -1,0 +1,249 @@
+"""The rank-side recorder: what a parallel run calls on every rank to write its record.
+
+It writes the same format as the reference (:mod:`reference.record`): per step the loss and
+micro-batch losses, the full gradients just before the optimizer step, the full parameters and
+optimizer state just after it, and the sample ids each rank consumed per micro-batch, plus each
+rank's layout (data-parallel replica, pipeline stage, mesh coordinates, process groups).
+Sharded state is gathered to full tensors one at a time (:mod:`harness.record.gather`) and only the
+destination rank writes.
+
+Use it directly from custom training code (the hooks are collective: every rank calls them in
+the same order)::
+
+    rec = RankRecorder(path, case, model, optimizer, RankLayout.data_parallel(rank, world))
+    for step in range(case.steps):
+        for batch in my_micro_batches:
+            loss = ...; rec.micro_batch(step, loss, batch.ids); loss.backward()
+        rec.grads(step)          # before optimizer.step()
+        optimizer.step()
+        rec.after_step(step)     # params + optimizer state + losses/ids
+    record = rec.finish()        # the Record on dst, None elsewhere
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference.case import Case
+from reference.record import Record, RecordError, RecordWriter, optimizer_param_groups
+from reference.trainer import dropout_info
+
+from harness.parallel_dims import RankLayout
+from harness.record.gather import gather_state, reference_named_parameters
+
+__all__ = ["RankLayout", "RankRecorder", "RecorderError"]
+
+
+class RecorderError(RuntimeError):
+    """The recorder's hooks were called out of order or with inconsistent data."""
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    rank, world = _rank_world()
+    if world == 1 and not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def expected_param_names(case: Case) -> list[str]:
+    """Reference parameter names of ``case``'s model, built on the meta device (no memory, and
+    the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                model = case.model_factory()
+        except Exception:  # a factory that cannot run on meta tensors: build it for real
+            model = case.model_factory()
+    return [n for n, _ in model.named_parameters()]
+
+
+class RankRecorder:
+    """Records one rank's view of a parallel run; the ``dst`` rank writes the record."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        case: Case,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        layout: RankLayout,
+        *,
+        source: str = "strategy",
+        dst: int = 0,
+        check_replicas: bool = True,
+        overwrite: bool = False,
+        meta: Mapping[str, Any] | None = None,
+    ):
+        self.case = case
+        self.model = model
+        self.optimizer = optimizer
+        self.layout = layout
+        self.dst = dst
+        self.check_replicas = check_replicas
+        self.rank, self.world_size = _rank_world()
+        if not 0 <= dst < self.world_size:
+            raise RecorderError(f"dst {dst} is not a rank of this {self.world_size}-rank job")
+        if layout.stages is not None and len(layout.stages) != len(self._modules()):
+            raise RecorderError(
+                f"layout.stages has {len(layout.stages)} entries but {len(self._modules())} model chunks were given"
+            )
+        self._expected = expected_param_names(case) if layout.stages is not None else None
+        self._micro: dict[int, list[tuple[float | None, list[int]]]] = {}
+        self._phase: dict[int, str] = {}
+        self.layouts: list[dict[str, Any]] = _all_gather_object({"rank": self.rank, **layout.to_json()})
+        self.writer: RecordWriter | None = None
+        if self.rank == dst:
+            if path is None:
+                raise RecorderError(f"rank {dst} writes the record: give it a path")
+            first = self._modules()[0]
+            self.writer = RecordWriter(
+                path,
+                {
+                    "source": source,
+                    "case": case.describe(),
+                    "dtype": str(case.dtype),
+                    "world_size": self.world_size,
+                    "dropout": dropout_info(first),
+                    "ranks": self.layouts,
+                    **(meta or {}),
+                },
+                overwrite=overwrite,
+            )
+
+    def _modules(self) -> list[nn.Module]:
+        return [self.model] if isinstance(self.model, nn.Module) else list(self.model)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def micro_batch(self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int]) -> None:
+        """Local: this rank consumed ``sample_ids`` in its next micro-batch of ``step``, with
+        ``loss`` the unweighted mean loss over them (None where this rank computes no loss,
+        e.g. a pipeline stage other than the last)."""
+        if self._phase.get(step) not in (None, "micro"):
+            raise RecorderError(f"micro_batch(step={step}) after grads()/after_step() of that step")
+        self._phase[step] = "micro"
+        value = None
+        if loss is not None:
+            value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._micro.setdefault(step, []).append((value, [int(i) for i in sample_ids]))
+
+    def grads(self, step: int) -> None:
+        """Collective: record full gradients (call just before ``optimizer.step()``)."""
+        if self._phase.get(step) == "grads" or self._phase.get(step) == "done":
+            raise RecorderError(f"grads(step={step}) called twice")
+        self._phase[step] = "grads"
+        self._record_kind(step, "grad")
+
+    def after_step(self, step: int) -> None:
+        """Collective: record full parameters, optimizer state, losses and sample ids (call
+        just after ``optimizer.step()``)."""
+        if self._phase.get(step) != "grads":
+            raise RecorderError(f"after_step(step={step}) without grads(step={step}) before the optimizer step")
+        self._phase[step] = "done"
+        self._record_kind(step, "param")
+        self._record_kind(step, "optim")
+        self._record_step_info(step)
+
+    def finish(self, *, complete: bool = True) -> Record | None:
+        """Local: publish the record on ``dst`` (returns it there, None elsewhere). Call with
+        ``complete=False`` after a failure: what was recorded is kept."""
+        if self.writer is None:
+            return None
+        writer, self.writer = self.writer, None
+        try:
+            return writer.finish(complete=complete)
+        except RecordError:
+            if complete:
+                raise
+            writer.abort()
+            return None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _record_kind(self, step: int, kind: str) -> None:
+        gathered = gather_state(
+            self.model,
+            self.optimizer,
+            kind,
+            dst=self.dst,
+            stages=self.layout.stages,
+            expected=self._expected if kind == "param" else None,
+            check_replicas=self.check_replicas,
+        )
+        for name, full in gathered:
+            if self.writer is not None and full is not None:
+                self.writer.add_tensor(step, kind, name, full)
+        if self.writer is not None and kind == "grad" and (sharding := gathered.sharding()):
+            self.writer.step(step).extra["sharding"] = sharding
+        if self.writer is not None and gathered.replica_mismatches:
+            self.writer.step(step).extra.setdefault("replica_mismatch", {})[kind] = gathered.replica_mismatches
+
+    def _record_step_info(self, step: int) -> None:
+        names = {}
+        for module in self._modules():
+            names.update({id(p): n for n, p in reference_named_parameters(module)})
+        mine = {
+            "rank": self.rank,
+            "dp_rank": self.layout.dp_rank,
+            "holds_loss": self.layout.holds_loss,
+            "micro": self._micro.pop(step, []),
+            "param_groups": optimizer_param_groups(self.optimizer, names),
+        }
+        everyone = _all_gather_object(mine)
+        if self.writer is None:
+            return
+        rec = self.writer.step(step)
+        rec.rank_sample_ids = {r["rank"]: [ids for _, ids in r["micro"]] for r in everyone}
+        holders = sorted((r for r in everyone if r["holds_loss"]), key=lambda r: (r["dp_rank"], r["rank"]))
+        num_micro = max((len(r["micro"]) for r in holders), default=0)
+        everything: list[tuple[float, int]] = []
+        for m in range(num_micro):
+            ids: list[int] = []
+            pieces: list[tuple[float, int]] = []
+            for r in holders:
+                if m >= len(r["micro"]):
+                    continue
+                loss, mb_ids = r["micro"][m]
+                ids += mb_ids
+                if loss is not None:
+                    pieces.append((loss, len(mb_ids)))
+            rec.micro_sample_ids.append(ids)
+            rec.sample_ids += ids
+            # The replicas' pieces of micro-batch m, combined as the case's loss_fn reduces.
+            rec.micro_losses.append(self.case.combine_losses(pieces) if pieces else math.nan)
+            everything += pieces
+        counted = sum(n for _, n in everything)
+        rec.loss = self.case.mean_loss(self.case.combine_losses(everything), counted) if counted else None
+        rec.param_groups = _merge_param_groups([r["param_groups"] for r in everyone])
+        if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
+            rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}
+        self.writer.checkpoint()  # a run killed later still leaves these steps readable
+
+
+def _merge_param_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Union of the ranks' optimizer param groups (pipeline stages each hold some parameters);
+    hyperparameters are taken from the lowest rank that has the group."""
+    merged: list[dict[str, Any]] = []
+    for groups in per_rank:
+        for i, group in enumerate(groups):
+            if i == len(merged):
+                merged.append({**group, "params": []})
+            for name in group.get("params", []):
+                if name not in merged[i]["params"]:
+                    merged[i]["params"].append(name)
+    return merged

@@ -1,0 +1,1 @@
+"""What ``python -m harness diagnose`` runs: targets, the bundled ones, driving them on ranks."""
