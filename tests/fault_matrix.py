@@ -26,6 +26,15 @@ KINDS = ("exception", "sigkill", "sigsegv", "sleep", "extra-collective", "skippe
 POSITIONS = {"first": 0, "middle": 1, "last": NPROC - 1}
 TIMEOUT_S = 60.0
 STALL_WINDOW_S = 2.0  # the matrix's hangs are named in seconds; the default window is 10 s
+FAILURE_GRACE_S = 1.0  # how long the others may take to fail after the first (default 3 s)
+
+
+def fast_runner():
+    """A :class:`~harness.launch.remote.RankRunner` whose pools name hangs after
+    ``STALL_WINDOW_S`` and stop the other ranks ``FAILURE_GRACE_S`` after a failure."""
+    from harness.launch.remote import RankRunner
+
+    return RankRunner(stall_window=STALL_WINDOW_S, failure_grace=FAILURE_GRACE_S)
 
 
 def inject(ctx, kind: str, victim: int) -> None:
@@ -85,13 +94,11 @@ def score(runner, kinds=KINDS, positions=tuple(POSITIONS)) -> list[Cell]:
 
 
 def main() -> None:
-    from harness.launch.remote import RankRunner
-
     # The ranks import the body by module name: run it as `fault_matrix`, not `__main__`.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fault_matrix
 
-    with RankRunner(stall_window=STALL_WINDOW_S) as runner:
+    with fault_matrix.fast_runner() as runner:
         cells = fault_matrix.score(runner)
     width = max(len(k) for k in KINDS)
     print(f"fault matrix at nproc {NPROC}: a cell scores when the report blames exactly the injected rank")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.launch.remote import RankRunner
-
-from fault_matrix import KINDS, POSITIONS, STALL_WINDOW_S, run_cell
+from fault_matrix import KINDS, POSITIONS, fast_runner, run_cell
 
 # One cell per kind, the faulting rank rotating through first, middle and last.
 DEFAULT_CELLS = [(kind, list(POSITIONS)[i % len(POSITIONS)]) for i, kind in enumerate(KINDS)]
@@ -15,7 +13,7 @@ DEFAULT_CELLS = [(kind, list(POSITIONS)[i % len(POSITIONS)]) for i, kind in enum
 
 @pytest.fixture(scope="module")
 def fast_stall_runner():
-    with RankRunner(stall_window=STALL_WINDOW_S) as runner:
+    with fast_runner() as runner:
         yield runner
 
 

@@ -619,37 +619,3 @@ def test_failure_reports_lead_with_the_cause(pytester, monkeypatch):
     assert "fixtures of a distributed test run once, in the pytest process, not on the ranks" in fixture
     _assert_no_leftovers(tag)
 
-
-SLEEPS_IN_BODY = """
-import os
-import time
-import pytest
-
-
-@pytest.mark.distributed
-def test_sleeps(dist_ctx):
-    open(os.path.join(os.environ["MARKER_DIR"], f"rank{dist_ctx.rank}"), "w").close()
-    time.sleep(120)
-"""
-
-
-def test_ctrl_c_inside_a_test_body_stops_the_session_and_leaves_nothing(pytester, monkeypatch, tmp_path):
-    """SIGINT while every rank sleeps inside the test body: the ranks cannot answer an orderly
-    shutdown, so their trees are killed at once and pytest reports the interrupt (the time it
-    takes is measured by tests/bench/bench_launcher.py, not asserted here)."""
-    tag = _child_env(monkeypatch)
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    monkeypatch.setenv("MARKER_DIR", str(markers))
-    pytester.makepyfile(test_sleeps=SLEEPS_IN_BODY)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nproc", "2", "test_sleeps.py"],
-                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + CHILD_DEADLINE
-    while len(list(markers.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    assert len(list(markers.iterdir())) == 2, proc.communicate(timeout=10)[0].decode()
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=60)[0].decode()
-    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
-    assert "KeyboardInterrupt" in out
-    _assert_no_leftovers(tag)

@@ -68,12 +68,14 @@ class RankRunner:
         backend: str = "auto",
         device: str = "auto",
         stall_window: float | None = None,
+        failure_grace: float | None = None,
     ):
         """``stall_window``: seconds without progress on every running rank before a call counts
-        as hung (default :class:`~harness.launch.pool.PoolConfig`'s 10 s; 0: only the deadline)."""
+        as hung (default :class:`~harness.launch.pool.PoolConfig`'s 10 s; 0: only the deadline);
+        ``failure_grace``: how long the other ranks may take once one failed (default 3 s)."""
         self._own = manager is None
-        config = PoolConfig() if stall_window is None else PoolConfig(stall_window=stall_window)
-        self.manager = manager or PoolManager(config)
+        overrides = {k: v for k, v in (("stall_window", stall_window), ("failure_grace", failure_grace)) if v is not None}
+        self.manager = manager or PoolManager(PoolConfig(**overrides))
         self.backend = backend
         self.device = device
 
