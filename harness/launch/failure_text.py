@@ -7,10 +7,9 @@ last collectives were.
 
 from __future__ import annotations
 
-import os
 import re
 
-from harness import HARNESS_DIR
+from harness import is_harness_file
 from harness.tracing import fr
 from harness.launch.pool import RunOutcome
 from harness.launch.protocol import CollectiveEntry, RankDump
@@ -69,7 +68,11 @@ _BACKEND_TEXT = (*BACKEND_MISMATCH, "Connection closed by peer", "Connection res
                  "NCCL error", "Gloo", "gloo")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _PYTEST_FRAME = re.compile(r"^\s*(\S+\.py):(\d+): \w+", re.MULTILINE)
-_HARNESS_DIR = HARNESS_DIR
+
+
+def _mismatch_line(text: str) -> str:
+    """The first line of ``text`` in which the backend says collectives' sizes differ."""
+    return next((ln.strip() for ln in text.splitlines() if any(m in ln for m in BACKEND_MISMATCH)), "")
 
 
 def _is_backend_error(exc_type: str, message: str) -> bool:
@@ -89,7 +92,7 @@ def own_exception(outcome: RunOutcome) -> str:
         return ""
     # Python tracebacks ('File "x.py", line 3, in f') and pytest's ("x.py:3: RuntimeError").
     frames = _FRAME.findall(result.longrepr or "") + [(f, ln, "") for f, ln in _PYTEST_FRAME.findall(result.longrepr or "")]
-    own = [f for f in frames if not os.path.abspath(f[0]).startswith(_HARNESS_DIR + os.sep)]
+    own = [f for f in frames if not is_harness_file(f[0])]
     at = f" at {own[-1][0]}:{own[-1][1]}" + (f" in {own[-1][2]}" if own[-1][2] else "") if own else ""
     message = (result.message or "").strip().splitlines()
     return f"rank {root[0]} raised {result.exc_type or 'an exception'}{at}: {message[0] if message else ''}".rstrip(": ")
@@ -105,15 +108,12 @@ def backend_failure(outcome: RunOutcome) -> tuple[int, str] | None:
         return None
     rank, kind = root
     if kind == "died":
-        log = outcome.death_logs.get(rank, "")
-        line = next((ln.strip() for ln in log.splitlines() if any(m in ln for m in BACKEND_MISMATCH)), "")
+        line = _mismatch_line(outcome.death_logs.get(rank, ""))
         return (rank, line) if line else None
     result = outcome.results[rank]
     if not _is_backend_error(result.exc_type, result.message):
         return None
-    text = result.longrepr or result.message or ""
-    line = next((ln.strip() for ln in text.splitlines() if any(m in ln for m in BACKEND_MISMATCH)), "")
-    return rank, line or _first_line(result.message)
+    return rank, _mismatch_line(result.longrepr or result.message or "") or _first_line(result.message)
 
 
 def culprits(outcome: RunOutcome) -> list[int]:

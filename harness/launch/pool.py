@@ -168,6 +168,11 @@ class Zygote:
         self.startup_timeout = startup_timeout
         self._ready = False
 
+    @property
+    def ready(self) -> bool:
+        """Whether the fork server has said it is ready (:meth:`wait_ready` returned)."""
+        return self._ready
+
     def wait_ready(self) -> "Zygote":
         """Block until the fork server has imported what ranks need (it started importing
         when this handle was made, so a session can overlap that with collection)."""
@@ -659,7 +664,7 @@ class PoolManager:
     def _fork_server(self) -> Zygote | None:
         if self.start_method != "forkserver":
             return None
-        if self.zygote is not None and self.zygote._ready and not self.zygote.alive():
+        if self.zygote is not None and self.zygote.ready and not self.zygote.alive():
             self.zygote.close()
             self.zygote = None
         self.start_fork_server()

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any, Callable
 
-from harness import HARNESS_DIR
+from harness import is_harness_file
 from harness.launch import procs
 from harness.launch.protocol import (
     HANDSHAKE_CONTROL,
@@ -40,7 +40,6 @@ from harness.launch.protocol import (
 )
 
 _DIST_FUNCTIONS_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
-_HARNESS_DIR = HARNESS_DIR
 
 
 def _connect(port: int, token: bytes, role: bytes, rank: int, timeout: float) -> Connection:
@@ -198,7 +197,7 @@ def _setup_error_text(exc: RankSetupError) -> str:
     if cause is None:
         return text
     frames = [f for f in traceback.extract_tb(cause.__traceback__)
-              if not os.path.abspath(f.filename).startswith(_HARNESS_DIR + os.sep) and not f.filename.startswith("<frozen")]
+              if not is_harness_file(f.filename) and not f.filename.startswith("<frozen")]
     if not frames:
         return text
     shown = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(cause))

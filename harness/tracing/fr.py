@@ -23,7 +23,7 @@ import os
 import pickle
 from typing import Any
 
-from harness import HARNESS_DIR
+from harness import is_harness_file
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 RANK_FR_BUFFER = "20000"  # entries per rank: the launcher sets it before the process group exists
@@ -46,7 +46,7 @@ def is_library_frame(filename: str) -> bool:
         return True
     return (
         path.startswith(_torch_dir() + os.sep)
-        or path.startswith(HARNESS_DIR + os.sep)
+        or is_harness_file(path)
         or path.startswith(_STDLIB_DIR + os.sep)
         or f"{os.sep}_pytest{os.sep}" in path
         or f"{os.sep}pluggy{os.sep}" in path

@@ -167,14 +167,18 @@ def _is_library(code: Any) -> bool:
     return known
 
 
-def call_site(depth: int = 1) -> str:
-    """``file:line in fn`` of the innermost frame outside torch, the harness and the stdlib."""
-    frame = sys._getframe(depth)
+def _user_frame(frame: Any) -> Any:
+    """``frame`` or the innermost frame above it outside torch, the harness and the stdlib
+    (``frame`` itself when every frame is library code)."""
     innermost = frame
     while frame is not None and _is_library(frame.f_code):
         frame = frame.f_back
-    if frame is None:
-        frame = innermost
+    return innermost if frame is None else frame
+
+
+def call_site(depth: int = 1) -> str:
+    """``file:line in fn`` of the innermost frame outside torch, the harness and the stdlib."""
+    frame = _user_frame(sys._getframe(depth))
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
@@ -238,17 +242,23 @@ def _wrap(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time_ns()
-        if _JOURNAL_FD is not None:
+        try:  # what the ring buffer and the journal both need, read once
+            seen = (_pg_name(self), _tensors(args[input_index]) if 0 <= input_index < len(args) else [],
+                    _user_frame(sys._getframe(1)))  # the torch.distributed function, then outward
+        except Exception:  # noqa: BLE001 - tracing must never break the user's collective
+            seen = None
+        if _JOURNAL_FD is not None and seen is not None:
             try:
-                _journal(self, op, input_index, direction, method, args, kwargs, t0)
-            except Exception:  # noqa: BLE001 - tracing must never break the user's collective
+                _journal(*seen, op, direction, method, args, kwargs, t0)
+            except Exception:  # noqa: BLE001
                 pass
         result = original(self, *args, **kwargs)
         t1 = time.time_ns()
-        try:
-            _log(self, op, input_index, direction, method, args, kwargs, t0, t1)
-        except Exception:  # noqa: BLE001 - tracing must never break the user's collective
-            pass
+        if seen is not None:
+            try:
+                _log(*seen, op, direction, method, args, kwargs, t0, t1)
+            except Exception:  # noqa: BLE001
+                pass
         return result
 
     traced.__name__ = method
@@ -268,18 +278,11 @@ def _peer_and_tag(method: str, args: tuple, ranks: list[int]) -> tuple[int | Non
 
 
 def _log(
-    pg: Any, op: str, input_index: int, direction: str, method: str, args: tuple, kwargs: dict, t0: int, t1: int
+    name: str, tensors: list[Any], frame: Any, op: str, direction: str, method: str, args: tuple, kwargs: dict,
+    t0: int, t1: int,
 ) -> None:
     """The hot path: append one raw tuple (no strings formatted, no tensors kept)."""
     global _LAST_INDEX
-    name = _pg_name(pg)
-    tensors = _tensors(args[input_index]) if 0 <= input_index < len(args) else ()
-    frame = sys._getframe(2)  # _log <- traced <- the torch.distributed function
-    innermost = frame
-    while frame is not None and _is_library(frame.f_code):
-        frame = frame.f_back
-    if frame is None:
-        frame = innermost
     extra: Any = None
     if direction:
         peer, tag = _peer_and_tag(method, args, _GROUPS[name][0])
@@ -347,15 +350,16 @@ def close_journal() -> None:
             pass
 
 
-def _journal(pg: Any, op: str, input_index: int, direction: str, method: str, args: tuple, kwargs: dict, t0: int) -> None:
+def _journal(
+    name: str, tensors: list[Any], frame: Any, op: str, direction: str, method: str, args: tuple, kwargs: dict, t0: int
+) -> None:
     """One unbuffered line per call, written before the call (it may never return)."""
-    name = _pg_name(pg)
     ranks, desc = _GROUPS[name]
-    tensors = _tensors(args[input_index]) if 0 <= input_index < len(args) else ()
     entry: dict[str, Any] = {
         "op": op, "process_group": f"{name}:{desc or 'undefined'}", "group_ranks": ranks,
         "input_sizes": [list(t.shape) for t in tensors], "dtypes": [_dtype_name(t.dtype) for t in tensors],
-        "call_site": call_site(3), "time_ns": t0, "phase": _PHASE, "step": _STEP, "state": "journal",
+        "call_site": f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}",
+        "time_ns": t0, "phase": _PHASE, "step": _STEP, "state": "journal",
     }
     if direction:
         peer, tag = _peer_and_tag(method, args, ranks)
