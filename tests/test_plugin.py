@@ -619,3 +619,26 @@ def test_failure_reports_lead_with_the_cause(pytester, monkeypatch):
     assert "fixtures of a distributed test run once, in the pytest process, not on the ranks" in fixture
     _assert_no_leftovers(tag)
 
+
+
+PRESTART = """
+from harness.pytest_plugin import _RUNNER_KEY
+
+
+def test_fork_server_started_at_configure(request):
+    manager = request.config.stash[_RUNNER_KEY]._manager
+    started = manager is not None and manager.zygote is not None
+    assert started == (request.config.getoption("nproc") == 3)
+"""
+
+
+@pytest.mark.parametrize("args", [["--nproc", "3"], []])
+def test_the_fork_server_starts_at_configure_only_when_ranks_are_asked_for(pytester, monkeypatch, args):
+    """With --nproc on the command line the fork server starts before collection (its torch
+    import overlaps it); a session that never names --nproc starts none until a distributed
+    test needs one."""
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_prestart=PRESTART)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=CHILD_DEADLINE)
+    result.assert_outcomes(passed=1)
+    _assert_no_leftovers(tag)
