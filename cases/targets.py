@@ -9,6 +9,7 @@ from collections.abc import Callable
 from harness.targets.target import Target
 
 from .catalog import mlp_case, transformer_case
+from .mesh_targets import MESH_TARGETS
 from .strategies.ddp import DDPStrategy
 from .strategies.fsdp import FSDPStrategy
 from .strategies.hybrid import DDPTensorParallelStrategy, FSDPTensorParallelStrategy
@@ -93,6 +94,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "dp-tp": _dp_tp,
     "fsdp-tp": _fsdp_tp,
     "dp-pp": _dp_pp,
+    **MESH_TARGETS,
 }
 
 DEMO_CORRECT: list[str] = ["ddp", "ddp-accumulation", "fsdp", "tp", "tp-dropout", "gpipe", "1f1b", "manual-tp", "custom-example", "fsdp-tp"]

@@ -1,7 +1,9 @@
 """``python -m harness``: diagnose a parallel training target, or the bundled catalogue.
 
     python -m harness diagnose TARGET [--nproc N] [--steps K] [--json PATH] [--html PATH] [--trace PATH]
+    python -m harness diagnose TARGET --simulate N   # N simulated ranks in one process (DTensor targets)
     python -m harness diagnose            # no TARGET: the bundled demo (every bug case + correct strategies)
+    python -m harness diagnose --simulate 8   # the 8-rank mesh demo on simulated ranks
     python -m harness list                # bundled targets and the code each must be diagnosed with
 
 Exit status: 0 PASS, 1 a diagnosis (or a run that failed before it could be compared), 2 usage
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diagnose", help="run a target on N ranks against the single-device reference and name what is wrong")
     d.add_argument("target", nargs="?", help="bundled name, path/to/file.py or path/to/file.py:NAME (omit for the bundled demo)")
     d.add_argument("--nproc", type=int, default=None, help="ranks to run (default: the target's NPROC, else 2)")
+    d.add_argument("--simulate", type=int, default=None, metavar="N",
+                   help="run on N simulated ranks in this process (DTensor targets: tensor parallelism, replicate, "
+                        "their meshes) instead of N real ones; without TARGET: the 8-rank mesh demo")
     d.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the case's)")
     d.add_argument("--json", metavar="PATH", help="write the JSON report here")
     d.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
@@ -93,6 +98,35 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
     return report.exit_code
 
 
+def _simulate(args: argparse.Namespace, name: str) -> Any:
+    """The report of ``name`` on ``args.simulate`` simulated ranks (raises SimulationError or
+    ParallelConfigError when it cannot be simulated at that size)."""
+    from harness.simulate.run import simulate_target
+    from harness.targets.bundled import load_target
+
+    return simulate_target(load_target(name), args.simulate, steps=args.steps, cache=args.cache, tolerance=args.tolerance,
+                           comparison=args.comparison, echo=_echo(args.quiet))
+
+
+def _simulate_one(args: argparse.Namespace) -> int:
+    from harness.parallel_dims import ParallelConfigError
+    from harness.report import format_terminal
+    from harness.simulate.world import SimulationError
+
+    try:
+        report = _simulate(args, args.target)
+    except SimulationError as exc:
+        print(f"python -m harness: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ParallelConfigError as exc:
+        print(f"python -m harness: error: {args.target} does not fit {args.simulate} simulated ranks: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_terminal(report, verbose=args.verbose))
+    for line in _write_reports(report, args.json, args.html, args.trace):
+        print(f"  wrote {line}")
+    return report.exit_code
+
+
 def _demo(args: argparse.Namespace, runner: Any) -> int:
     from harness.report import format_terminal
     from harness.targets.drive import diagnose_target
@@ -104,17 +138,25 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
     started = time.monotonic()
     from harness.targets.bundled import demo_targets
 
-    targets = demo_targets()
+    if args.simulate is not None:
+        from cases.mesh_targets import SIMULATION_DEMO
+
+        targets = SIMULATION_DEMO
+    else:
+        targets = demo_targets()
     for i, (name, expected) in enumerate(targets, 1):
         echo(f"[{i}/{len(targets)}] {name}")
-        report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout, cache=args.cache,
-                                 echo=echo, tolerance=args.tolerance, comparison=args.comparison)
+        if args.simulate is not None:
+            report = _simulate(args, name)
+        else:
+            report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout, cache=args.cache,
+                                     echo=echo, tolerance=args.tolerance, comparison=args.comparison)
         print(format_terminal(report, verbose=args.verbose), flush=True)
         _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
         ok = (expected in report.codes) if expected else report.verdict.verdict == "pass"
         rows.append({"target": name, "expected": expected or "PASS", "verdict": report.verdict.verdict, "codes": report.codes, "ok": ok})
     width = max(len(r["target"]) for r in rows)
-    print(f"\nbundled demo: {len(rows)} targets in {time.monotonic() - started:.0f} s; reports in {out}/")
+    print(f"\nbundled {'simulated ' if args.simulate is not None else ''}demo: {len(rows)} targets in {time.monotonic() - started:.0f} s; reports in {out}/")
     for r in rows:
         print(f"  {'ok ' if r['ok'] else 'BAD'} {r['target']:<{width}}  expected {r['expected']:<28} got {r['verdict'].upper()} {' '.join(r['codes'])}")
     (out / "index.json").write_text(json.dumps(rows, indent=2))
@@ -146,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_PASS
     if args.nproc is not None and args.nproc < 1:
         return _usage(parser, f"--nproc must be >= 1, got {args.nproc}")
+    if args.simulate is not None:
+        if args.nproc is not None:
+            return _usage(parser, "give --nproc N (real ranks) or --simulate N (simulated ranks), not both")
+        if not 1 <= args.simulate <= 1024:
+            return _usage(parser, f"--simulate must be between 1 and 1024 ranks, got {args.simulate}")
+        if args.target is None and args.simulate != 8:
+            return _usage(parser, f"the simulated demo runs the 8-rank mesh targets: --simulate 8 (got {args.simulate})")
     if args.nproc is not None:
         from harness.launch.pool import check_world_size
 
@@ -175,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             return _usage(parser, str(exc))
     if not (args.stall_window >= 0 and math.isfinite(args.stall_window)):
         return _usage(parser, f"--stall-window must be a finite number of seconds >= 0, got {args.stall_window}")
+    if args.simulate is not None:
+        try:
+            return _simulate_one(args) if args.target is not None else _demo(args, None)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
     runner = RankRunner(backend=args.backend, device=args.device, stall_window=args.stall_window)
     try:
         return _diagnose_one(args, runner) if args.target is not None else _demo(args, runner)

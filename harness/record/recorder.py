@@ -204,7 +204,11 @@ class RankRecorder:
             "micro": self._micro.pop(step, []),
             "param_groups": optimizer_param_groups(self.optimizer, names),
         }
-        everyone = _all_gather_object(mine)
+        self._write_step_info(step, _all_gather_object(mine))
+
+    def _write_step_info(self, step: int, everyone: list[dict[str, Any]]) -> None:
+        """On dst: the step's losses, sample ids and param groups from every rank's
+        ``{"rank", "dp_rank", "holds_loss", "micro": [(loss, ids)], "param_groups"}``."""
         if self.writer is None:
             return
         rec = self.writer.step(step)

@@ -55,7 +55,7 @@ def _loss_plot(report: DiagnosisReport) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3))
-    for values, label, style in ((ref, "reference (1 device)", "o-"), (par, f"parallel ({report.target['nproc']} ranks)", "s--")):
+    for values, label, style in ((ref, "reference (1 device)", "o-"), (par, f"parallel ({report.target['nproc']} {'simulated ' if report.target.get('simulated') else ''}ranks)", "s--")):
         points = [(i, v) for i, v in enumerate(values) if isinstance(v, (int, float))]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
@@ -227,7 +227,7 @@ def render_html(report: DiagnosisReport) -> str:
     ]
     body = "".join(f"<h2>{_e(name)}</h2>{content}" for name, content in sections)
     meta = (
-        f"{_e(t['strategy'])} on {t['nproc']} ranks, case <span class='code'>{_e(t['case'])}</span>, {t['steps']} steps"
+        f"{_e(t['strategy'])} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case <span class='code'>{_e(t['case'])}</span>, {t['steps']} steps"
         + (f"; expected code <span class='code'>{_e(t['expected_code'])}</span>" if t.get("expected_code") else "")
     )
     return (

@@ -31,7 +31,7 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
     codes = " ".join(v.codes)
     lines = [
         f"{head}{'  ' + codes if codes else ''}  "
-        f"[{t['name']}: {t['strategy']} on {t['nproc']} ranks, case {t['case']!r}, {t['steps']} steps]"
+        f"[{t['name']}: {t['strategy']} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case {t['case']!r}, {t['steps']} steps]"
     ]
     if t.get("description"):
         lines.append(f"  {t['description']}")

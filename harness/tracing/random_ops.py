@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harness.codes import Diagnosis
 from harness.tracing import hooks
 
-__all__ = ["RandomDraw", "RandomOpLog", "check_random_ops"]
+__all__ = ["RandomDraw", "RandomOpLog", "check_random_ops", "draw_digest"]
 
 MAX_DRAWS = 4096  # per rank: the first step of a small correctness case needs far fewer
 
@@ -55,11 +55,27 @@ class RandomDraw:
         return f"{self.op} {self.shape} {self.dtype}"
 
 
-def _digest(t: torch.Tensor) -> str:
+def draw_digest(t: torch.Tensor) -> str:
     data = t.detach().to("cpu").contiguous().reshape(-1)
     if data.dtype == torch.bool:
         data = data.to(torch.uint8)
     return hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def random_output(func: Any, args: tuple, kwargs: Mapping[str, Any] | None, out: Any) -> Any:
+    """The tensor holding what a seeded op drew from the generator, for its fingerprint: the
+    mask of a dropout (its scaled output mixes in the data, which differs between the shards
+    of tensor-parallel peers that drew the same mask), the output of a pure draw (``rand``,
+    ``bernoulli_``). ``False``: the op drew nothing (attention with ``dropout_p == 0``, tagged
+    seeded because it could). None: it drew, but its random part is not separable (attention
+    dropout): recorded by op and shape only."""
+    name = str(func.overloadpacket.__name__)
+    if "scaled_dot_product" in name:
+        p = args[3] if len(args) > 3 else (kwargs or {}).get("dropout_p", 0.0)
+        return False if not p else None
+    if name == "native_dropout" and isinstance(out, (tuple, list)) and len(out) > 1:
+        return out[1]
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class RandomOpLog(TorchDispatchMode):
@@ -73,11 +89,13 @@ class RandomOpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if torch.Tag.nondeterministic_seeded in func.tags and len(self.draws) < MAX_DRAWS:
+            drawn = random_output(func, args, kwargs, out)
             first = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(first, torch.Tensor) and type(first) is torch.Tensor:  # plain tensors only
+            if drawn is not False and isinstance(first, torch.Tensor) and type(first) is torch.Tensor:  # plain tensors only
                 self.draws.append(RandomDraw(
                     index=len(self.draws), op=str(func.overloadpacket.__name__), shape=list(first.shape),
-                    dtype=str(first.dtype).removeprefix("torch."), digest=_digest(first), call_site=hooks.call_site(2),
+                    dtype=str(first.dtype).removeprefix("torch."), digest=draw_digest(drawn) if drawn is not None else "",
+                    call_site=hooks.call_site(2),
                 ))
         return out
 

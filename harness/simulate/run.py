@@ -1,0 +1,207 @@
+"""Train a strategy on N simulated ranks in this process, record and trace it as a real run,
+then compare with the reference and diagnose with the same engine.
+
+Data flow, as on real ranks: case -> reference (cached) -> the strategy set up once for all
+ranks -> per step, each rank's micro-batches (the strategy's ``local_batches`` called rank by
+rank, stacked into LocalTensors) -> one SPMD forward/backward and optimizer step -> the record
+(:class:`~harness.simulate.recorder.SimulatedRecorder`) and the trace
+(:func:`~harness.simulate.trace.build_trace`) -> :func:`harness.run.compare_to_reference` ->
+:func:`harness.analysis.diagnosed_run.diagnosis_report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference.case import Batch, Case, check_dataset
+from reference.schedule import global_batch_indices
+
+from harness.simulate.recorder import SimulatedRecorder
+from harness.parallel_dims import ParallelConfigError
+from harness.simulate.support import REAL_RANKS, check_setup, check_target, patch_fsdp_storage
+from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace
+from harness.simulate.world import SimulatedWorld, SimulationError
+
+__all__ = ["SimulatedRun", "simulate_strategy", "simulate_target"]
+
+
+@dataclasses.dataclass
+class SimulatedRun:
+    """What a simulated run left: the record and trace paths, the per-rank layouts and the
+    collective log (for the layout report)."""
+
+    record_path: str
+    trace_path: str
+    world_size: int
+    elapsed_s: float
+    trace: Any = None
+    setup: Any = None
+
+
+def _stack_batches(world: SimulatedWorld, per_rank: dict[int, list[Batch]]) -> list[Batch]:
+    """Each rank's micro-batches as one list whose tensors hold every rank's data."""
+    counts = {r: len(b) for r, b in per_rank.items()}
+    if len(set(counts.values())) != 1:
+        raise SimulationError(
+            f"ranks read different numbers of micro-batches ({counts}); simulated ranks run one program, so "
+            "every rank must run the same number of forward/backward passes"
+        )
+    out = []
+    for i in range(counts[0]):
+        first = per_rank[0][i]
+
+        def stack(values: dict[int, Any]) -> Any:
+            sample = values[0]
+            if isinstance(sample, torch.Tensor):
+                shapes = {r: tuple(v.shape) for r, v in values.items()}
+                if len(set(shapes.values())) != 1:
+                    raise SimulationError(f"ranks' micro-batch {i} tensors differ in shape ({shapes}); simulated ranks need equal shapes")
+                return world.local(values)
+            if isinstance(sample, dict):
+                return {k: stack({r: v[k] for r, v in values.items()}) for k in sample}
+            if isinstance(sample, (list, tuple)):
+                return type(sample)(stack({r: v[j] for r, v in values.items()}) for j in range(len(sample)))
+            return sample
+
+        out.append(dataclasses.replace(
+            first,
+            inputs=stack({r: b[i].inputs for r, b in per_rank.items()}),
+            targets=stack({r: b[i].targets for r, b in per_rank.items()}),
+        ))
+    return out
+
+
+def simulate_strategy(
+    case: Case,
+    strategy: Any,
+    world_size: int,
+    workdir: str | os.PathLike[str],
+    *,
+    steps: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SimulatedRun:
+    """Train ``strategy`` on ``world_size`` simulated ranks, writing the record and trace
+    under ``workdir``. Raises :class:`SimulationError` for what cannot be simulated."""
+    from harness.tracing.run_trace import TRACE_FILE
+    from harness.tracing.mesh import describe_model
+
+    say = progress or (lambda line: None)
+    started = time.monotonic()
+    case = case if steps is None else case.replace(steps=steps)
+    case.validate()
+    check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
+    record_path = Path(workdir) / f"simulated-{strategy.name}-{case.name}-w{world_size}"
+    log = CollectiveLog()
+    with patch_fsdp_storage(), SimulatedWorld(world_size) as world:
+        with log:
+            try:
+                setup = strategy.setup(case, world.ctx)
+            except ParallelConfigError:
+                raise
+            except Exception as exc:
+                raise _setup_failed(strategy.name, exc) from exc
+            check_setup(strategy.name, setup)
+            dims = setup.state["dims"]
+            dims.check_world(world_size)
+            layouts = {r: dims.layout(r) for r in world.ranks}
+            groups = MeshGroups(setup.state.get("mesh") or _param_mesh(setup.model), world_size)
+            params, _, _ = describe_model(setup.model)
+            recorder = SimulatedRecorder(record_path, case, setup.model, setup.optimizer, layouts, groups,
+                                         source=f"strategy:{strategy.name} (simulated)")
+            samples: dict[int, dict[int, list[list[int]]]] = {r: {} for r in world.ranks}
+            torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
+            for step in range(case.steps):
+                log.step, log.phase = step, "train"
+                per_rank = world.per_rank(lambda r: strategy.local_batches(case, dataclasses.replace(setup, layout=layouts[r]), step))
+                for r, batches in per_rank.items():
+                    samples[r][step] = [list(b.ids) for b in batches]
+                batches = _stack_batches(world, per_rank)
+                losses = strategy.forward_backward(case, setup, batches)
+                if len(losses) != len(batches):
+                    raise SimulationError(f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses for "
+                                          f"{len(batches)} micro-batches at step {step}")
+                for i, loss in enumerate(losses):
+                    recorder.micro_batch(step, loss, {r: per_rank[r][i].ids for r in world.ranks})
+                if case.grad_clip is not None:
+                    strategy.clip_gradients(case, setup)
+                log.phase = "harness"
+                recorder.grads(step)
+                log.phase = "train"
+                strategy.optimizer_step(case, setup)
+                log.phase = "harness"
+                recorder.after_step(step)
+                setup.optimizer.zero_grad(set_to_none=True)
+                say(f"step {step + 1}/{case.steps} trained on {world_size} simulated ranks")
+        record = recorder.finish()
+    trace = build_trace(world_size, groups, layouts, params, samples, log.calls,
+                        {"case": case.name, "strategy": strategy.name}, random_draws=log.random_draws)
+    trace_path = str(trace.save(Path(record.path) / TRACE_FILE))
+    return SimulatedRun(str(record.path), trace_path, world_size, time.monotonic() - started, trace=trace, setup=None)
+
+
+def _setup_failed(name: str, exc: Exception) -> SimulationError:
+    """A setup that raises under simulation: PyTorch code outside the dispatcher (DDP's
+    parameter check, NCCL-only calls) or the user's own error; the frame says which."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f for f in reversed(frames) if "site-packages" not in f.filename and "/torch/" not in f.filename), None)
+    last = frames[-1] if frames else None
+    at = f" at {last.filename}:{last.lineno} in {last.name}" if last else ""
+    called = f" (called from {where.filename}:{where.lineno})" if where and where is not last else ""
+    return SimulationError(
+        f"setting up {name} on simulated ranks failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        f"{at}{called}. If it sets up on real ranks, it uses something simulated ranks do not support; {REAL_RANKS}"
+    )
+
+
+def _param_mesh(model: Any) -> Any:
+    return next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+
+
+def simulate_target(
+    target: Any,
+    world_size: int,
+    *,
+    steps: int | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    tolerance: str = "auto",
+    comparison: str = "stepwise",
+    echo: Callable[[str], None] | None = None,
+) -> Any:
+    """Diagnose a resolved :class:`~harness.targets.target.Target` on simulated ranks and
+    return its :class:`~harness.report.model.DiagnosisReport` (the same codes as real ranks)."""
+    from reference.cache import cached_reference
+
+    from harness.analysis.diagnosed_run import diagnosis_report
+    from harness.run import compare_to_reference
+
+    say = echo or (lambda line: None)
+    check_target(target)
+    started = time.monotonic()
+    case = target.case if steps is None else target.case.replace(steps=steps)
+    work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-simulate-")
+    os.makedirs(work, exist_ok=True)
+    say(f"reference: training {case.name!r} on one device ({case.steps} steps)")
+    cached_reference(case, cache=cache)
+    say(f"ranks: training {target.strategy.name} on {world_size} simulated ranks (one process)")
+    run = simulate_strategy(case, target.strategy, world_size, work, progress=lambda line: say(line))
+    say("diagnose: comparing and naming causes")
+    from reference.record import Record
+
+    compared = compare_to_reference(case, Record.load(run.record_path), cache=cache, tolerance=tolerance, comparison=comparison,
+                                    label=f"{target.name} on {world_size} simulated ranks vs reference")
+    report = diagnosis_report(target, case, world_size, comparison=compared, record_path=run.record_path,
+                              trace_path=run.trace_path, cache=cache, elapsed_s=time.monotonic() - started)
+    report.target["simulated"] = True
+    report.workdir = work
+    return report
