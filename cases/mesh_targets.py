@@ -128,4 +128,5 @@ SIMULATION_DEMO: list[tuple[str, str | None]] = [
     ("dp4-tp2-swapped-mesh", "swapped-mesh-dims"),
     ("dp4-tp2", None),
     ("tp8-dropout", None),
+    ("seed-8gpu", None),  # the layout check of the same mesh (cases.layouts)
 ]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from harness.targets.target import Target
 
 from .catalog import mlp_case, transformer_case
+from .layouts import LAYOUT_TARGETS
 from .mesh_targets import MESH_TARGETS
 from .strategies.ddp import DDPStrategy
 from .strategies.fsdp import FSDPStrategy
@@ -95,6 +96,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "fsdp-tp": _fsdp_tp,
     "dp-pp": _dp_pp,
     **MESH_TARGETS,
+    **LAYOUT_TARGETS,
 }
 
 DEMO_CORRECT: list[str] = ["ddp", "ddp-accumulation", "fsdp", "tp", "tp-dropout", "gpipe", "1f1b", "manual-tp", "custom-example", "fsdp-tp"]

@@ -53,6 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--cache", metavar="DIR", default=None, help="reference cache (default $HARNESS_CACHE_DIR or ./.harness_cache)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     d.add_argument("-v", "--verbose", action="store_true", help="full comparison and launcher report")
+    lay = sub.add_parser("layout", help="check a (dp, tp, pp) layout on simulated ranks: mesh, groups, samples, "
+                                           "memory and collectives per rank (any size, 64 ranks and beyond)")
+    for dim in ("dp", "tp", "pp"):
+        lay.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
+    lay.add_argument("--global-batch", type=int, default=None, help="global batch (default 4 samples per replica micro-batch)")
+    lay.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 2*pp, 1 without a pipeline)")
+    lay.add_argument("--json", metavar="PATH", help="write the layout report as JSON here")
+    lay.add_argument("--all-ranks", action="store_true", help="list every rank (default: one row per distinct figures)")
+    lay.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     sub.add_parser("list", help="list bundled targets")
     return parser
 
@@ -82,6 +91,32 @@ def _write_reports(report: Any, json_path: str | None, html_path: str | None, tr
     if trace_path:
         written.append(f"trace {write_chrome_trace(report, trace_path)}")
     return written
+
+
+def _check_layout(plan: Any, json_path: str | None, all_ranks: bool, quiet: bool) -> int:
+    from harness.simulate.layout import check_layout, format_layout
+
+    report = check_layout(plan, echo=_echo(quiet))
+    print(format_layout(report, all_ranks=all_ranks))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2, default=str))
+        print(f"  wrote json {json_path}")
+    return report.exit_code
+
+
+def _layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from cases.layouts import layout_plan
+    from harness.parallel_dims import ParallelConfigError
+
+    for flag in ("dp", "tp", "pp", "global_batch", "micro_batches"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            return _usage(parser, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        plan = layout_plan(args.dp, args.tp, args.pp, global_batch=args.global_batch, micro_batches=args.micro_batches)
+    except ParallelConfigError as exc:
+        return _usage(parser, str(exc))
+    return _check_layout(plan, args.json, args.all_ranks, args.quiet)
 
 
 def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
@@ -144,17 +179,29 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
         targets = SIMULATION_DEMO
     else:
         targets = demo_targets()
+    from harness.targets.bundled import load_target
+
     for i, (name, expected) in enumerate(targets, 1):
         echo(f"[{i}/{len(targets)}] {name}")
-        if args.simulate is not None:
-            report = _simulate(args, name)
+        plan = load_target(name).layout
+        if plan is not None:
+            from harness.simulate.layout import check_layout, format_layout
+
+            layout = check_layout(plan, echo=echo)
+            print(format_layout(layout), flush=True)
+            (out / f"{name}.json").write_text(json.dumps(layout.to_json(), indent=2, default=str))
+            verdict, codes = ("fail" if layout.diagnoses else "pass"), list(dict.fromkeys(layout.codes))
         else:
-            report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout, cache=args.cache,
-                                     echo=echo, tolerance=args.tolerance, comparison=args.comparison)
-        print(format_terminal(report, verbose=args.verbose), flush=True)
-        _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
-        ok = (expected in report.codes) if expected else report.verdict.verdict == "pass"
-        rows.append({"target": name, "expected": expected or "PASS", "verdict": report.verdict.verdict, "codes": report.codes, "ok": ok})
+            if args.simulate is not None:
+                report = _simulate(args, name)
+            else:
+                report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
+                                         cache=args.cache, echo=echo, tolerance=args.tolerance, comparison=args.comparison)
+            print(format_terminal(report, verbose=args.verbose), flush=True)
+            _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
+            verdict, codes = report.verdict.verdict, report.codes
+        ok = (expected in codes) if expected else verdict == "pass"
+        rows.append({"target": name, "expected": expected or "PASS", "verdict": verdict, "codes": codes, "ok": ok})
     width = max(len(r["target"]) for r in rows)
     print(f"\nbundled {'simulated ' if args.simulate is not None else ''}demo: {len(rows)} targets in {time.monotonic() - started:.0f} s; reports in {out}/")
     for r in rows:
@@ -168,9 +215,20 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
 def _list() -> int:
     from harness.targets.bundled import bug_codes, bundled_targets
 
+    from harness.targets.bundled import load_target
+
     codes = bug_codes()
     for name, module in sorted(bundled_targets().items()):
-        print(f"{name:<32} {codes.get(name, '') or ('(alias)' if module.rsplit('.', 1)[-1] in codes else 'correct')}")
+        kind = codes.get(name, "") or ("(alias)" if module.rsplit(".", 1)[-1] in codes else "")
+        where = ""
+        if not kind:  # a cases.targets entry: its own expected code, and how it runs
+            target = load_target(name)
+            kind = target.expected_code or "correct"
+            if target.layout is not None:
+                where = f"layout check, {target.layout.dims.world_size} simulated ranks"
+            elif (target.nproc or 2) > 4:
+                where = f"{target.nproc} ranks: --simulate {target.nproc} on a small machine"
+        print(f"{name:<32} {kind:<28} {where}".rstrip())
     return EXIT_PASS
 
 
@@ -180,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.command == "layout":
+        sys.path.insert(0, os.getcwd())
+        return _layout(args, parser)
     if args.command == "list":
         try:
             return _list()
@@ -219,9 +280,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.target is not None:
         try:
-            load_target(args.target)
+            resolved = load_target(args.target)
         except TargetError as exc:
             return _usage(parser, str(exc))
+        if resolved.layout is not None:  # a layout check: always on simulated ranks, at the plan's size
+            world = resolved.layout.dims.world_size
+            if (args.nproc or args.simulate or world) != world:
+                return _usage(parser, f"{args.target} is a layout check of {world} ranks; give no --nproc/--simulate (or {world})")
+            if args.html or args.trace:
+                return _usage(parser, f"{args.target} is a layout check: it writes --json only")
+            return _check_layout(resolved.layout, args.json, False, args.quiet)
     if not (args.stall_window >= 0 and math.isfinite(args.stall_window)):
         return _usage(parser, f"--stall-window must be a finite number of seconds >= 0, got {args.stall_window}")
     if args.simulate is not None:

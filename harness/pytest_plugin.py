@@ -1,4 +1,6 @@
-"""pytest plugin: ``@pytest.mark.distributed`` tests run on ``--nproc`` real ranks.
+"""pytest plugin: ``@pytest.mark.distributed`` tests run on ``--nproc`` real ranks;
+``@pytest.mark.simulate`` tests get ``sim_ranks``, N simulated ranks in the pytest process
+(``--simulate N`` or the marker's ``nproc``), for ``assert_matches_reference``.
 
 Registered through the ``pytest11`` entry point. Two modes:
 
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 
 MARKER = "distributed"
+SIM_MARKER = "simulate"
 DEFAULT_NPROC = 2
 DEFAULT_TIMEOUT = 120.0
 _MARKER_KWARGS = ("nproc", "timeout")
@@ -77,6 +80,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--nproc", type=_positive_int, default=DEFAULT_NPROC, metavar="N",
         help=f"world size for @pytest.mark.distributed tests that do not fix their own (default {DEFAULT_NPROC})",
+    )
+    group.addoption(
+        "--simulate", type=_positive_int, default=None, metavar="N",
+        help="world size for @pytest.mark.simulate tests that do not fix their own: N ranks simulated "
+             "in the pytest process (DTensor strategies; see README). Without it such tests default to 8",
     )
     group.addoption(
         "--dist-backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -145,6 +153,11 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}(nproc=None, timeout=None): run the test body on nproc real ranks "
         "(default --nproc) with the default process group initialised; timeout in seconds "
         "overrides --dist-timeout",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{SIM_MARKER}(nproc=None): the test runs in the pytest process and its sim_ranks fixture is nproc "
+        "simulated ranks (default --simulate, else 8) for harness.testing.assert_matches_reference",
     )
     if config.getoption("dist_backend") == "nccl" and config.getoption("dist_device") == "cpu":
         raise pytest.UsageError(
@@ -254,6 +267,25 @@ def dist_ctx(request: pytest.FixtureRequest) -> Any:
             pytrace=False,
         )
     return request.config.stash[_RUNNER_KEY].context(spec)
+
+
+@pytest.fixture
+def sim_ranks(request: pytest.FixtureRequest) -> Any:
+    """:class:`harness.simulate.SimulatedRanks` of the test's ``@pytest.mark.simulate(nproc=N)``
+    (default ``--simulate``, else 8): pass it to ``assert_matches_reference`` as the context."""
+    marker = request.node.get_closest_marker(SIM_MARKER)
+    where = f"@pytest.mark.{SIM_MARKER} on {request.node.nodeid}"
+    if marker is None:
+        pytest.fail(f"{request.node.nodeid} asks for sim_ranks but is not marked @pytest.mark.{SIM_MARKER}", pytrace=False)
+    unknown = sorted(set(marker.kwargs) - {"nproc"})
+    if marker.args or unknown:
+        pytest.fail(f"{where}: only nproc=N is allowed, got {marker.args!r} {unknown}", pytrace=False)
+    nproc = marker.kwargs.get("nproc") or request.config.getoption("simulate") or 8
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        pytest.fail(f"{where}: nproc={nproc!r} is not allowed; it must be an integer >= 1", pytrace=False)
+    from harness.simulate.run import SimulatedRanks
+
+    return SimulatedRanks(nproc)
 
 
 @pytest.fixture(scope="session")

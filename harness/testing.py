@@ -5,6 +5,9 @@ diagnosis.
     def test_my_strategy(dist_ctx):
         assert_matches_reference(mlp_case(), MyStrategy(), dist_ctx)
 
+With ``sim_ranks`` (``@pytest.mark.simulate(nproc=8)``) in place of ``dist_ctx`` the same call
+trains on 8 simulated ranks in the pytest process (:mod:`harness.simulate`).
+
 On a mismatch every rank raises ``AssertionError`` whose message is the terminal report (verdict,
 codes, evidence) and names the self-contained HTML report written under
 ``$HARNESS_REPORT_DIR`` (the plugin sets it: ``--harness-report-dir``, else next to
@@ -56,9 +59,16 @@ def assert_matches_reference(
     comparison: str = "stepwise",
 ) -> RunResult:
     """Collective: train ``strategy``, compare with the reference and, on any difference, fail
-    with the diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass."""
+    with the diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass.
+    ``ctx`` may be :class:`harness.simulate.SimulatedRanks` (the ``sim_ranks`` fixture): the
+    run is then simulated in this process."""
     from harness.analysis.diagnosed_run import run_and_diagnose
     from harness.report import format_terminal, write_html
+    from harness.simulate.run import SimulatedRanks
+
+    if isinstance(ctx, SimulatedRanks):
+        return _assert_simulated(case, strategy, ctx.world_size, steps=steps, tolerance=tolerance, workdir=workdir,
+                                 cache=cache, comparison=comparison)
 
     if steps is not None:
         case = case.replace(steps=steps)
@@ -85,3 +95,17 @@ def assert_matches_reference(
         raise AssertionError(message)
     assert run.result is not None
     return run.result
+
+
+def _assert_simulated(case: Case, strategy: Any, world_size: int, **options: Any) -> RunResult:
+    from harness.report import format_terminal, write_html
+    from harness.simulate.run import diagnose_simulated
+
+    name = f"{strategy.name}-{case.name}"
+    target = Target(name=_current_test() or name, case=case, strategy=strategy)
+    report, compared, run = diagnose_simulated(target, world_size, **options)
+    if report.verdict.verdict != "pass":
+        path = write_html(report, report_path_for(_current_test(), name))
+        raise AssertionError(format_terminal(report) + f"\n  html report: {path}\n  run folder: {report.workdir}")
+    return RunResult(case=case.name, strategy=strategy.name, world_size=world_size, comparison=compared,
+                     reference_path=compared.reference, record_path=run.record_path, trace_path=run.trace_path)

@@ -153,7 +153,7 @@ def test_the_demo_runs_every_target_and_checks_its_expected_code(rank_runner, re
     from harness.targets import bundled
 
     monkeypatch.setattr(bundled, "demo_targets", lambda: [("summed_grads", "grad-not-averaged"), ("ddp", None)])
-    args = argparse.Namespace(out=str(tmp_path / "reports"), quiet=True, verbose=False, nproc=None, steps=None, timeout=None, cache=reference_cache,
+    args = argparse.Namespace(out=str(tmp_path / "reports"), quiet=True, verbose=False, nproc=None, simulate=None, steps=None, timeout=None, cache=reference_cache,
                               tolerance="auto", comparison="stepwise")
     assert cli._demo(args, rank_runner) == 0
     out = capsys.readouterr().out

@@ -42,7 +42,7 @@ from reference.schedule import micro_batch_indices
 from harness.context import broadcast_object
 from harness.strategy import DistContextLike, Strategy
 
-__all__ = ["MemoryReport", "RankMemory", "SavedTensorMeter", "format_bytes", "format_memory_report", "measure_memory", "state_bytes"]
+__all__ = ["MemoryReport", "RankMemory", "SavedTensorMeter", "format_bytes", "format_memory_report", "measure_memory", "reference_memory", "state_bytes", "state_bytes_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,15 @@ class MemoryReport:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t``: a DTensor's local shard; under simulated ranks (a
+    LocalTensor holding every rank's piece) the lowest rank's."""
+    from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if isinstance(local, LocalTensor):
+        return local._local_tensors[min(local._local_tensors)]
+    return local
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -129,6 +135,33 @@ def state_bytes(modules: nn.Module | Sequence[nn.Module], optimizer: torch.optim
         for state in optimizer.state.values():
             optim_b += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return param_b, grad_b, optim_b
+
+
+def state_bytes_per_rank(
+    modules: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, ranks: Sequence[int]
+) -> dict[int, tuple[int, int, int]]:
+    """:func:`state_bytes` of every simulated rank in ``ranks`` at once: each tensor is
+    unwrapped once (``to_local`` under simulation costs an op per rank) and its ranks' pieces
+    are read from the LocalTensor."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    def sizes(t: torch.Tensor) -> dict[int, int]:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, LocalTensor):
+            return {r: local._local_tensors[r].numel() * local._local_tensors[r].element_size() for r in ranks}
+        return {r: local.numel() * local.element_size() for r in ranks}
+
+    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+    params = _unique(p for m in mods for p in m.parameters())
+    totals = {r: [0, 0, 0] for r in ranks}
+    tensors: list[tuple[int, torch.Tensor]] = [(0, p) for p in params] + [(1, p.grad) for p in params if p.grad is not None]
+    if optimizer is not None:
+        tensors += [(2, v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for kind, t in tensors:
+        for r, n in sizes(t).items():
+            totals[r][kind] += n
+    return {r: (p, g, o) for r, (p, g, o) in totals.items()}
 
 
 class _Saved:
@@ -203,7 +236,7 @@ class SavedTensorMeter:
         self._hooks = None
 
 
-def _reference_memory(case: Case, device: torch.device) -> RankMemory:
+def reference_memory(case: Case, device: torch.device) -> RankMemory:
     """The whole model on one device, one step of the global batch (the baseline)."""
     model = case.build_model(device)
     optimizer = case.build_optimizer(model.parameters())
@@ -241,7 +274,7 @@ def measure_memory(
     dist.all_gather_object(everyone, mine)
     baseline = None
     if reference:  # measured once, on rank 0, so every rank reports the same numbers
-        baseline = broadcast_object(_reference_memory(case, ctx.device) if ctx.rank == 0 else None, 0)
+        baseline = broadcast_object(reference_memory(case, ctx.device) if ctx.rank == 0 else None, 0)
     return MemoryReport(getattr(strategy, "name", type(strategy).__name__), case.name, dist.get_world_size(), everyone, baseline)
 
 

@@ -24,26 +24,32 @@ import torch
 from reference.case import Batch, Case, check_dataset
 from reference.schedule import global_batch_indices
 
-from harness.simulate.recorder import SimulatedRecorder
 from harness.parallel_dims import ParallelConfigError
-from harness.simulate.support import REAL_RANKS, check_setup, check_target, patch_fsdp_storage
+from harness.simulate.recorder import SimulatedRecorder
+from harness.simulate.support import DDP_REASON, REAL_RANKS, check_setup, check_target
 from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace
 from harness.simulate.world import SimulatedWorld, SimulationError
 
-__all__ = ["SimulatedRun", "simulate_strategy", "simulate_target"]
+__all__ = ["SimulatedRanks", "SimulatedRun", "diagnose_simulated", "simulate_strategy", "simulate_target"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedRanks:
+    """The context that asks :func:`harness.testing.assert_matches_reference` for a run on
+    ``world_size`` simulated ranks (the ``sim_ranks`` fixture of ``@pytest.mark.simulate``)."""
+
+    world_size: int
 
 
 @dataclasses.dataclass
 class SimulatedRun:
-    """What a simulated run left: the record and trace paths, the per-rank layouts and the
-    collective log (for the layout report)."""
+    """What a simulated run left: the record and trace paths and the trace itself."""
 
     record_path: str
     trace_path: str
     world_size: int
     elapsed_s: float
     trace: Any = None
-    setup: Any = None
 
 
 def _stack_batches(world: SimulatedWorld, per_rank: dict[int, list[Batch]]) -> list[Batch]:
@@ -100,14 +106,17 @@ def simulate_strategy(
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
     record_path = Path(workdir) / f"simulated-{strategy.name}-{case.name}-w{world_size}"
     log = CollectiveLog()
-    with patch_fsdp_storage(), SimulatedWorld(world_size) as world:
+    with SimulatedWorld(world_size) as world:
         with log:
             try:
                 setup = strategy.setup(case, world.ctx)
             except ParallelConfigError:
                 raise
             except Exception as exc:
-                raise _setup_failed(strategy.name, exc) from exc
+                failed = _setup_failed(strategy.name, exc)
+                if failed is None:
+                    raise  # the user's own error, shown as theirs
+                raise failed from exc
             check_setup(strategy.name, setup)
             dims = setup.state["dims"]
             dims.check_world(world_size)
@@ -118,43 +127,52 @@ def simulate_strategy(
                                          source=f"strategy:{strategy.name} (simulated)")
             samples: dict[int, dict[int, list[list[int]]]] = {r: {} for r in world.ranks}
             torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
-            for step in range(case.steps):
-                log.step, log.phase = step, "train"
-                per_rank = world.per_rank(lambda r: strategy.local_batches(case, dataclasses.replace(setup, layout=layouts[r]), step))
-                for r, batches in per_rank.items():
-                    samples[r][step] = [list(b.ids) for b in batches]
-                batches = _stack_batches(world, per_rank)
-                losses = strategy.forward_backward(case, setup, batches)
-                if len(losses) != len(batches):
-                    raise SimulationError(f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses for "
-                                          f"{len(batches)} micro-batches at step {step}")
-                for i, loss in enumerate(losses):
-                    recorder.micro_batch(step, loss, {r: per_rank[r][i].ids for r in world.ranks})
-                if case.grad_clip is not None:
-                    strategy.clip_gradients(case, setup)
-                log.phase = "harness"
-                recorder.grads(step)
-                log.phase = "train"
-                strategy.optimizer_step(case, setup)
-                log.phase = "harness"
-                recorder.after_step(step)
-                setup.optimizer.zero_grad(set_to_none=True)
-                say(f"step {step + 1}/{case.steps} trained on {world_size} simulated ranks")
+            try:
+                for step in range(case.steps):
+                    log.step, log.phase = step, "train"
+                    per_rank = world.per_rank(lambda r: strategy.local_batches(case, dataclasses.replace(setup, layout=layouts[r]), step))
+                    for r, batches in per_rank.items():
+                        samples[r][step] = [list(b.ids) for b in batches]
+                    batches = _stack_batches(world, per_rank)
+                    losses = strategy.forward_backward(case, setup, batches)
+                    if len(losses) != len(batches):
+                        raise SimulationError(f"strategy {strategy.name!r}: forward_backward returned {len(losses)} losses for "
+                                              f"{len(batches)} micro-batches at step {step}")
+                    for i, loss in enumerate(losses):
+                        recorder.micro_batch(step, loss, {r: per_rank[r][i].ids for r in world.ranks})
+                    if case.grad_clip is not None:
+                        strategy.clip_gradients(case, setup)
+                    log.phase = "harness"
+                    recorder.grads(step)
+                    log.phase = "train"
+                    strategy.optimizer_step(case, setup)
+                    log.phase = "harness"
+                    recorder.after_step(step)
+                    setup.optimizer.zero_grad(set_to_none=True)
+                    say(f"step {step + 1}/{case.steps} trained on {world_size} simulated ranks")
+            except BaseException:
+                recorder.finish(complete=False)  # keep the steps recorded so far
+                raise
         record = recorder.finish()
     trace = build_trace(world_size, groups, layouts, params, samples, log.calls,
                         {"case": case.name, "strategy": strategy.name}, random_draws=log.random_draws)
     trace_path = str(trace.save(Path(record.path) / TRACE_FILE))
-    return SimulatedRun(str(record.path), trace_path, world_size, time.monotonic() - started, trace=trace, setup=None)
+    return SimulatedRun(str(record.path), trace_path, world_size, time.monotonic() - started, trace=trace)
 
 
-def _setup_failed(name: str, exc: Exception) -> SimulationError:
-    """A setup that raises under simulation: PyTorch code outside the dispatcher (DDP's
-    parameter check, NCCL-only calls) or the user's own error; the frame says which."""
+def _setup_failed(name: str, exc: Exception) -> SimulationError | None:
+    """A setup that raised under simulation. Raised inside PyTorch (DDP's parameter check, an
+    op the simulated tensors do not support): a SimulationError saying where and what to run
+    instead. Raised in the user's own code: None, the error is theirs and stays as it is."""
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    where = next((f for f in reversed(frames) if "site-packages" not in f.filename and "/torch/" not in f.filename), None)
+    if any(f.filename.endswith(os.path.join("nn", "parallel", "distributed.py")) for f in frames):
+        return SimulationError(f"cannot simulate {name} (DistributedDataParallel): {DDP_REASON}; {REAL_RANKS}")
     last = frames[-1] if frames else None
+    if last is None or os.sep + "torch" + os.sep not in last.filename:
+        return None
+    where = next((f for f in reversed(frames) if "site-packages" not in f.filename and "/torch/" not in f.filename), None)
     at = f" at {last.filename}:{last.lineno} in {last.name}" if last else ""
     called = f" (called from {where.filename}:{where.lineno})" if where and where is not last else ""
     return SimulationError(
@@ -167,20 +185,28 @@ def _param_mesh(model: Any) -> Any:
     return next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
 
 
-def simulate_target(
+def simulate_target(target: Any, world_size: int, **options: Any) -> Any:
+    """Diagnose a resolved :class:`~harness.targets.target.Target` on simulated ranks and
+    return its :class:`~harness.report.model.DiagnosisReport` (the same codes as real ranks).
+    ``options``: :func:`diagnose_simulated`'s."""
+    return diagnose_simulated(target, world_size, **options)[0]
+
+
+def diagnose_simulated(
     target: Any,
     world_size: int,
     *,
     steps: int | None = None,
     workdir: str | os.PathLike[str] | None = None,
     cache: str | os.PathLike[str] | None = None,
-    tolerance: str = "auto",
+    tolerance: Any = "auto",
     comparison: str = "stepwise",
     echo: Callable[[str], None] | None = None,
-) -> Any:
-    """Diagnose a resolved :class:`~harness.targets.target.Target` on simulated ranks and
-    return its :class:`~harness.report.model.DiagnosisReport` (the same codes as real ranks)."""
+) -> tuple[Any, Any, SimulatedRun]:
+    """(report, :class:`~harness.analysis.compare.CompareResult`, :class:`SimulatedRun`) of
+    ``target`` on ``world_size`` simulated ranks."""
     from reference.cache import cached_reference
+    from reference.record import Record
 
     from harness.analysis.diagnosed_run import diagnosis_report
     from harness.run import compare_to_reference
@@ -194,14 +220,12 @@ def simulate_target(
     say(f"reference: training {case.name!r} on one device ({case.steps} steps)")
     cached_reference(case, cache=cache)
     say(f"ranks: training {target.strategy.name} on {world_size} simulated ranks (one process)")
-    run = simulate_strategy(case, target.strategy, world_size, work, progress=lambda line: say(line))
+    run = simulate_strategy(case, target.strategy, world_size, work, progress=say)
     say("diagnose: comparing and naming causes")
-    from reference.record import Record
-
     compared = compare_to_reference(case, Record.load(run.record_path), cache=cache, tolerance=tolerance, comparison=comparison,
                                     label=f"{target.name} on {world_size} simulated ranks vs reference")
     report = diagnosis_report(target, case, world_size, comparison=compared, record_path=run.record_path,
                               trace_path=run.trace_path, cache=cache, elapsed_s=time.monotonic() - started)
     report.target["simulated"] = True
     report.workdir = work
-    return report
+    return report, compared, run

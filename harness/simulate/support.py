@@ -10,8 +10,10 @@ FSDP2-style ``replicate`` and their 2-D meshes simulate and match the real ranks
 - ``fully_shard`` (FSDP2 sharding): it frees and re-allocates unsharded parameters by resizing
   their storage, which a LocalTensor does not have; skipping the resize gives wrong
   gradients that change from run to run, so it is refused rather than trusted;
-- pipelining: stages are different programs exchanging activations point to point, which
-  needs ``LocalRunnerMode`` threads; not wired yet;
+- pipelining: stages are different programs exchanging activations point to point. Measured
+  under ``LocalRunnerMode`` (a thread per stage): the schedule's own p2p (``dist.irecv`` with
+  one integer peer) reaches LocalTensor's receive, which only takes what ``local_p2p_op`` sent
+  with a peer per rank, and fails (``'LocalTensor' object has no attribute '__src_rank__'``);
 - a model with no DTensor parameter at all: its ranks differ only through Python (hand-made
   shards indexed by ``ctx.rank``), which one process cannot run per rank.
 """
@@ -24,8 +26,10 @@ from torch import nn
 
 from harness.simulate.world import SimulationError
 
-__all__ = ["REAL_RANKS", "check_setup", "check_target", "patch_fsdp_storage"]
+__all__ = ["DDP_REASON", "REAL_RANKS", "check_setup", "check_target"]
 
+DDP_REASON = ("DDP's C++ reducer checks and buckets parameters as plain tensors, outside the dispatcher that "
+              "simulated collectives run through")
 REAL_RANKS = "run it on real ranks instead: python -m harness diagnose TARGET --nproc N (or pytest --nproc N)"
 
 
@@ -35,6 +39,9 @@ def _refuse(what: str, why: str) -> SimulationError:
 
 def check_target(target: Any) -> None:
     """Refuse, before anything runs, what is known not to simulate from the target alone."""
+    if getattr(target, "layout", None) is not None:
+        raise SimulationError(f"{target.name} is a layout check, not a training target: run harness.simulate.layout."
+                              f"check_layout(target.layout) or python -m harness diagnose {target.name}")
     if getattr(target, "train", None) is not None:
         raise _refuse(
             f"{target.name} (a custom training loop)",
@@ -54,13 +61,13 @@ def check_setup(name: str, setup: Any) -> None:
 
     modules = [setup.model] if isinstance(setup.model, nn.Module) else list(setup.model)
     if setup.layout.stages is not None or len(modules) != 1:
-        raise _refuse(f"{name} (pipeline stages)", "pipeline stages are different programs that exchange activations "
-                      "point to point (that needs LocalRunnerMode threads, not supported yet)")
+        raise _refuse(f"{name} (pipeline stages)", "torch.distributed.pipelining sends activations point to point with "
+                      "one integer peer for all ranks, which simulated point-to-point (LocalRunnerMode) cannot route; the "
+                      "layout check (python -m harness layout --pp P ...) simulates pipeline layouts stage by stage")
     model = modules[0]
     for sub in model.modules():
         if isinstance(sub, DistributedDataParallel):
-            raise _refuse(f"{name} (DistributedDataParallel)", "DDP's C++ reducer copies gradients into flat buckets "
-                          "outside the dispatcher that simulated collectives run through")
+            raise _refuse(f"{name} (DistributedDataParallel)", DDP_REASON)
         if isinstance(sub, FSDPModule) and not isinstance(sub, ReplicateModule):
             raise _refuse(f"{name} (fully_shard)", "FSDP2 frees and re-allocates unsharded parameters by resizing their "
                           "storage, which simulated tensors do not have (skipping it gives wrong gradients)")
@@ -70,27 +77,3 @@ def check_setup(name: str, setup: Any) -> None:
     if not isinstance(setup.state.get("dims"), ParallelDims):
         raise _refuse(name, "its setup keeps no ParallelDims in RankSetup.state['dims'] (RankSetup.on_mesh does), so "
                       "each simulated rank's layout (replica, coordinates, groups) is unknown")
-
-
-def patch_fsdp_storage() -> Any:
-    """Context: FSDP2's storage resize skipped for LocalTensors (``replicate`` never frees a
-    sharded copy, so its values are unaffected); plain tensors as before."""
-    import contextlib
-
-    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
-    from torch.distributed._local_tensor import LocalTensor
-
-    def skipping(fn: Any) -> Any:
-        def resize(tensor: Any) -> None:
-            if not isinstance(tensor, LocalTensor):
-                fn(tensor)
-        return resize
-
-    stack = contextlib.ExitStack()
-    for module, names in ((fsdp_param, ("free_storage", "alloc_storage")), (fsdp_group, ("alloc_storage",))):
-        for attr in names:
-            original = getattr(module, attr)
-            setattr(module, attr, skipping(original))
-            stack.callback(setattr, module, attr, original)
-    return stack

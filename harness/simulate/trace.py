@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.parallel_dims import is_dp_dim
@@ -33,6 +34,8 @@ _FUNCTIONAL = {
     "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor_coalesced": "all_gather",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
 }
+# c10d's RedOpType values, as the functional collectives spell them.
+_REDUCE_OPS = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor", 8: "premul_sum"}
 _C10D = {
     "allreduce_": "all_reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather",
     "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter", "broadcast_": "broadcast",
@@ -97,7 +100,6 @@ def _plain(t: Any) -> torch.Tensor:
 
 
 def _group_ranks(group: Any) -> list[int] | None:
-    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     try:
@@ -151,19 +153,31 @@ class CollectiveLog(TorchDispatchMode):
 
     def _log(self, op: str, args: tuple, *, functional: bool) -> None:
         tensors = [a for a in _flat(args[0] if args else ()) if isinstance(a, torch.Tensor)]
-        group = next((a for a in reversed(args) if isinstance(a, str)), None) if functional else \
-            next((a for a in args if not isinstance(a, (torch.Tensor, list, tuple, int, float, bool, str)) and a is not None), None)
+        group: Any = None
         reduce_op = ""
         for a in args[1:]:
-            if isinstance(a, str) and a in ("sum", "avg", "max", "min", "product", "premul_sum"):
-                reduce_op = a
-            elif hasattr(a, "op") and not functional:  # c10d ReduceOp
-                reduce_op = str(getattr(a, "op", "")).rsplit(".", 1)[-1].lower()
+            kind = _script_class(a)
+            if functional and isinstance(a, str):
+                if a in ("sum", "avg", "max", "min", "product", "premul_sum"):
+                    reduce_op = a
+                else:
+                    group = a  # the group name, the last string argument
+            elif kind == "ProcessGroup":
+                group = dist.ProcessGroup.unbox(a)
+            elif kind == "ReduceOp":
+                reduce_op = _REDUCE_OPS.get(int(a.op()), str(a.op()))
         self.calls.append({
             "op": op, "ranks": _group_ranks(group) if group is not None else None,
             "shapes": [list(t.shape) for t in tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
             "reduce_op": reduce_op, "step": self.step, "phase": self.phase,
         })
+
+
+def _script_class(value: Any) -> str:
+    """The c10d class name of a TorchScript object argument (``ProcessGroup``, ``ReduceOp``)."""
+    if isinstance(value, torch.ScriptObject):
+        return value._type().qualified_name().rsplit(".", 1)[-1]
+    return ""
 
 
 def _flat(value: Any) -> list[Any]:
@@ -190,7 +204,7 @@ def build_trace(
         dim = groups.dim_of(call["ranks"]) if call["ranks"] is not None else None
         for r in range(world_size):
             if dim is not None:
-                members, name, desc = groups.by_dim[dim][r], groups.group_name(dim, r), f"mesh dim {dim!r}"
+                members, name, desc = groups.by_dim[dim][r], groups.group_name(dim, r), f"mesh_{dim}"
             elif call["ranks"] is not None and r in call["ranks"]:
                 members, name, desc = call["ranks"], "pg:" + ",".join(map(str, call["ranks"])), "hand-built group"
             elif call["ranks"] is None:
@@ -206,7 +220,7 @@ def build_trace(
     ranks: dict[int, RankTrace] = {}
     for r in range(world_size):
         rank_groups = {
-            groups.group_name(d, r): {"ranks": groups.by_dim[d][r], "desc": f"mesh dim {d!r}", "dims": [d],
+            groups.group_name(d, r): {"ranks": groups.by_dim[d][r], "desc": f"mesh_{d}", "dims": [d],
                                       "roles": ["grad-sync"] if is_dp_dim(d) else []}
             for d in groups.dims
         }

@@ -85,6 +85,7 @@ class SimulatedWorld:
             )
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
         self._stack.callback(dist.destroy_process_group)
+        self._stack.enter_context(_skip_fsdp_storage_resize())
         self.mode = self._stack.enter_context(LocalTensorMode(frozenset(self.ranks)))
         self._stack.enter_context(_patched_rank(lambda: _symbolic_rank(self.world_size)))
         return self
@@ -138,3 +139,26 @@ def _patched_rank(rank: Callable[[], Any]) -> Iterator[None]:
         yield
     finally:
         dist.get_rank = original
+
+
+def _skip_fsdp_storage_resize() -> Any:
+    """Context: FSDP2's storage resize skipped for LocalTensors, which have no storage of
+    their own (``replicate`` keeps whole parameters, so its values are unaffected; sharding
+    ``fully_shard`` is refused by :mod:`harness.simulate.support`); plain tensors as before."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+    from torch.distributed._local_tensor import LocalTensor
+
+    def skipping(fn: Any) -> Any:
+        def resize(tensor: Any) -> None:
+            if not isinstance(tensor, LocalTensor):
+                fn(tensor)
+        return resize
+
+    stack = contextlib.ExitStack()
+    for module, names in ((fsdp_param, ("free_storage", "alloc_storage")), (fsdp_group, ("alloc_storage",))):
+        for attr in names:
+            original = getattr(module, attr)
+            setattr(module, attr, skipping(original))
+            stack.callback(setattr, module, attr, original)
+    return stack

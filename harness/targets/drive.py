@@ -176,6 +176,11 @@ def diagnose_target(
     as :func:`harness.run.compare_to_reference` takes them."""
     say = echo or (lambda line: None)
     resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
+    if resolved.layout is not None:
+        from harness.targets.target import TargetError
+
+        raise TargetError(f"{resolved.name} is a layout check on simulated ranks, not a run on real ones: "
+                          f"python -m harness diagnose {resolved.name} (or harness.simulate.layout.check_layout)")
     world = nproc or resolved.nproc or 2
     work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-diagnose-")
     os.makedirs(work, exist_ok=True)

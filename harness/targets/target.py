@@ -49,7 +49,8 @@ class TargetError(ValueError):
 
 @dataclass
 class Target:
-    """A resolved target. Exactly one of ``strategy`` / ``train`` is set."""
+    """A resolved target. Exactly one of ``strategy`` / ``train`` / ``layout`` is set
+    (``layout``: a :class:`harness.simulate.layout.LayoutPlan`, checked on simulated ranks)."""
 
     name: str
     case: Case
@@ -60,6 +61,7 @@ class Target:
     expected_code: str | None = None
     source: str = ""  # the module file it came from
     description: str = ""
+    layout: Any = None
 
 
 def _package_module_name(path: Path) -> tuple[str, str] | None:

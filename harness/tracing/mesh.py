@@ -198,7 +198,7 @@ def check_mesh(trace: Any) -> list[Diagnosis]:
                 },
             ))
 
-    findings = _merge_swaps(findings)
+    findings = _merge_enumeration_order(_merge_swaps(findings), ranks, coords, dims)
     flagged = {
         tuple(g)
         for f in findings
@@ -286,6 +286,55 @@ def _merge_swaps(findings: list[Diagnosis]) -> list[Diagnosis]:
             },
         ))
     return out
+
+
+def _merge_enumeration_order(
+    findings: list[Diagnosis], ranks: Mapping[int, Any], coords: Mapping[int, Mapping[str, int]], dims: Sequence[str]
+) -> list[Diagnosis]:
+    """Wrong groups on several dims whose DeviceMesh numbers the ranks row-major over the
+    same dims in another order (the rank tensor built as ``(pp, tp, dp)`` and named
+    ``(pp, dp, tp)``) are one finding: the order the mesh enumerates its dims in."""
+    import itertools
+
+    wrong = [f for f in findings if f.evidence.get("kind") in ("wrong-groups", "swapped") and f.evidence.get("dim")]
+    if len(wrong) < 2:
+        return findings
+    actual = {r: (rt.device_meshes[0].get("coords") if rt.device_meshes else None) for r, rt in ranks.items()}
+    if any(not c or set(c) != set(dims) for c in actual.values()):
+        return findings
+    sizes = {d: max(c[d] for c in coords.values()) + 1 for d in dims}
+
+    def row_major(order: Sequence[str], rank: int) -> dict[str, int]:
+        out, rest = {}, rank
+        for d in reversed(order):
+            out[d], rest = rest % sizes[d], rest // sizes[d]
+        return out
+
+    for order in itertools.permutations(dims):
+        if list(order) == list(dims):
+            continue
+        if all({d: int(actual[r][d]) for d in dims} == row_major(order, r) for r in ranks):
+            moved = [d for d, o in zip(dims, order) if d != o]
+            merged = Diagnosis(
+                "swapped-mesh-dims",
+                f"the DeviceMesh numbers its ranks with dims in the order {tuple(order)} but names them {tuple(dims)}: "
+                f"mesh dims {' and '.join(repr(d) for d in moved)} are swapped, so the "
+                f"{' and '.join(repr(f.evidence['dim']) for f in wrong)} groups are all wrong (rank 1 sits at "
+                f"{dict(actual[1])}, the job declares {dict(coords[1])})",
+                {
+                    "kind": "enumeration-order",
+                    "dims": moved,
+                    "declared_order": list(dims),
+                    "mesh_order": list(order),
+                    "expected": {f.evidence["dim"]: f.evidence["expected_groups"] for f in wrong},
+                    "actual": {f.evidence["dim"]: f.evidence["actual_groups"] for f in wrong},
+                    "actual_groups": [g for f in wrong for g in f.evidence["actual_groups"]],
+                    "mesh_dims": list(dims),
+                    "sizes": sizes,
+                },
+            )
+            return [merged, *(f for f in findings if f not in wrong)]
+    return findings
 
 
 def _sharded_on_dp(param: Mapping[str, Any]) -> bool:
