@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from reference.case import Case
 from .data import SyntheticRegression, SyntheticTokens
 from .models import TinyTransformer, TwoLayerMLP
 
-__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "transformer_case"]
+__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "transformer_case", "wide_transformer_case"]
 
 # Optimizers as picklable partials (a case may travel to worker processes).
 OPTIMIZERS = {
@@ -95,3 +96,12 @@ def transformer_case(
         seed=seed,
         dtype=dtype,
     )
+
+
+def wide_transformer_case(optimizer: str = "adamw", **options: Any) -> Case:
+    """The tiny transformer widened to 8 heads of 4 (dim 32, MLP 64): tensor parallelism up to
+    8 ranks divides it, so its TP targets also run on 8 simulated ranks (a node's worth, seed
+    001 section 5). ``options`` as :func:`transformer_case` takes them."""
+    dropout = f"-dropout{options['dropout']}" if options.get("dropout") else ""
+    name = options.pop("name", None) or f"transformer-wide-{optimizer}{dropout}"
+    return transformer_case(optimizer, dim=32, heads=8, hidden=64, name=name, **options)

@@ -1,7 +1,8 @@
-"""DTensor and mesh targets for 8 ranks, mostly on the layout of seed 000 section 9: a ``[dp=4, tp=2]``
-mesh, global batch 32. Each data-parallel replica reads 8 samples; both TP ranks of a replica
-read the same 8 (TP splits heads and MLP columns, never the batch again); gradients are
-averaged over the 4 ranks that hold the same TP shard (FSDP2-style ``replicate`` on ``dp``).
+"""DTensor and mesh targets for 8 ranks: TP=8 (seed 001 section 5's node, on the 8-head
+transformer) and seed 000 section 9's ``[dp=4, tp=2]`` mesh with global batch 32. On the mesh,
+each data-parallel replica reads 8 samples; both TP ranks of a replica read the same 8 (TP
+splits heads and MLP columns, never the batch again); gradients are averaged over the 4 ranks
+that hold the same TP shard (FSDP2-style ``replicate`` on ``dp``).
 
 They run on 8 real ranks (``--nproc 8``) or, on a machine with fewer cores, on 8 simulated
 ranks (``--simulate 8``). ``SIMULATION_DEMO`` is what ``python -m harness diagnose --simulate 8``
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -22,7 +22,7 @@ from harness.targets.target import Target
 from reference.case import collate
 from reference.schedule import micro_batch_indices, replica_micro_batch_indices
 
-from .catalog import transformer_case
+from .catalog import transformer_case, wide_transformer_case
 from .strategies.hybrid import DDPTensorParallelStrategy, apply_replicate
 from .strategies.tp import TensorParallelStrategy, apply_tensor_parallel
 
@@ -55,19 +55,6 @@ class UnshardedSampler(DDPTensorParallelStrategy):
         return [collate(case.dataset, idx, device=setup.device, dtype=case.dtype) for idx in micro_batch_indices(case, step)]
 
 
-class RankSeededDropout(TensorParallelStrategy):
-    """BUG: each rank reseeds with its rank, so the tensor-parallel peers draw different
-    dropout masks."""
-
-    name = "tp-rank-seeded-dropout"
-
-    def forward_backward(self, case, setup, micro_batches):
-        if not setup.state.get("seeded"):
-            setup.state["seeded"] = True
-            torch.manual_seed(case.seed + dist.get_rank())
-        return super().forward_backward(case, setup, micro_batches)
-
-
 class SwappedMeshDims(DDPTensorParallelStrategy):
     """BUG: the mesh is built with its dims in the wrong order (``(tp, dp)``), while the data
     loader and the declared layout use ``rank // tp`` as the replica: each "tp" group holds ranks
@@ -91,16 +78,10 @@ def _target(name: str, strategy, code: str | None, description: str, **case_opti
     return build
 
 
-def _tp8_case():
-    """Seed 001 section 5's TP=8 inside a node, on a transformer wide enough to split 8 ways
-    (8 heads of 4). Pure TP: every rank reads the whole batch, so dropout can match the
-    reference's masks (data parallelism draws per replica and never can)."""
-    return transformer_case(dim=32, heads=8, hidden=64, dropout=0.1)
-
-
-def _tp8(name: str, strategy, code: str | None, description: str) -> Callable[[], Target]:
+def _tp8(name: str, code: str | None, description: str, **case_options) -> Callable[[], Target]:
     def build() -> Target:
-        return Target(name, _tp8_case(), strategy, nproc=8, expected_code=code, description=description)
+        return Target(name, wide_transformer_case(**case_options), TensorParallelStrategy(), nproc=8, expected_code=code,
+                      description=description)
 
     return build
 
@@ -112,21 +93,24 @@ MESH_TARGETS: dict[str, Callable[[], Target]] = {
                                         PerRankBatches.__doc__.split(":")[1].strip()),
     "dp4-tp2-unsharded-sampler": _target("dp4-tp2-unsharded-sampler", UnshardedSampler(tp=2), "duplicate-samples",
                                          UnshardedSampler.__doc__.split(":")[1].strip()),
-    "tp8-dropout": _tp8("tp8-dropout", TensorParallelStrategy(), None,
-                        "TP=8 with dropout: the 8 peers draw the reference's masks"),
-    "tp8-rank-seeded-dropout": _tp8("tp8-rank-seeded-dropout", RankSeededDropout(), "rng-desync",
-                                    RankSeededDropout.__doc__.split(":")[1].strip()),
+    "tp8": _tp8("tp8", None, "TP=8 inside a node (seed 001 section 5) on the 8-head transformer"),
+    "tp8-dropout": _tp8("tp8-dropout", None, "TP=8 with dropout: the 8 peers draw the reference's masks "
+                        "(pure TP reads the whole batch on every rank, so one device's masks are matched)", dropout=0.1),
     "dp4-tp2-swapped-mesh": _target("dp4-tp2-swapped-mesh", SwappedMeshDims(tp=2), "swapped-mesh-dims",
                                     SwappedMeshDims.__doc__.split(":")[1].strip()),
 }
 
-# (target, expected code or None) for the simulated demo at 8 ranks.
+# (target, expected code or None) for the simulated demo at 8 ranks: the bundled DTensor bug
+# cases (cases/bugs: tensor parallelism, here with tp=8), this module's mesh bugs, and the
+# correct counterparts.
 SIMULATION_DEMO: list[tuple[str, str | None]] = [
+    ("tp_per_rank_batches", "inconsistent-replica-inputs"),
+    ("tp_rank_seeded_dropout", "rng-desync"),
     ("dp4-tp2-per-rank-batches", "inconsistent-replica-inputs"),
     ("dp4-tp2-unsharded-sampler", "duplicate-samples"),
-    ("tp8-rank-seeded-dropout", "rng-desync"),
     ("dp4-tp2-swapped-mesh", "swapped-mesh-dims"),
     ("dp4-tp2", None),
+    ("tp8", None),
     ("tp8-dropout", None),
     ("seed-8gpu", None),  # the layout check of the same mesh (cases.layouts)
 ]

@@ -11,12 +11,12 @@ from __future__ import annotations
 from reference.case import collate
 from reference.schedule import replica_micro_batch_indices
 
-from cases.catalog import transformer_case
+from cases.catalog import wide_transformer_case
 from cases.strategies.tp import TensorParallelStrategy
 
 EXPECTED_CODE = "inconsistent-replica-inputs"
 NPROC = 2
-CASE = transformer_case()
+CASE = wide_transformer_case()  # 8 heads: also on 8 simulated ranks
 
 
 class PerRankBatchTP(TensorParallelStrategy):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from cases.catalog import transformer_case
+from cases.catalog import wide_transformer_case
 from cases.strategies.tp import TensorParallelStrategy
 
 EXPECTED_CODE = "rng-desync"
 NPROC = 2
-CASE = transformer_case(dropout=0.1)
+CASE = wide_transformer_case(dropout=0.1)  # 8 heads: also on 8 simulated ranks
 
 
 class RankSeededTP(TensorParallelStrategy):
