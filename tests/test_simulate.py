@@ -1,8 +1,8 @@
 """Simulated ranks (harness.simulate): DTensor strategies on N ranks in the pytest process, the
 same record, trace and diagnosis codes as real ranks; clear refusals; the layout check.
 
-The strategies and bugs here are this file's own, on the MLP (cheap); the bundled 8-rank demo
-and the seeds' 64-rank layouts run under ``-m slow``."""
+The bugs run on cases of this file's choosing (the MLP where it can show them: cheap); the
+bundled 8-rank demo and the seeds' 64-rank layouts run under ``-m slow``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cases.bugs.tp_per_rank_batches import PerRankBatchTP
+from cases.bugs.tp_rank_seeded_dropout import RankSeededTP
 from cases.catalog import mlp_case, transformer_case
 from cases.layouts import LAYOUT_TARGETS, layout_plan
 from cases.mesh_targets import SIMULATION_DEMO
@@ -31,32 +33,8 @@ from harness.strategy import RankSetup
 from harness.targets.bundled import load_target
 from harness.targets.target import Target
 from harness.testing import assert_matches_reference
-from reference.case import collate
-from reference.schedule import replica_micro_batch_indices
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class _PerRankBatchTP(TensorParallelStrategy):
-    """Bug: TP peers read different samples (sharded by global rank)."""
-
-    name = "tp-per-rank-batches-mlp"
-
-    def local_batches(self, case, setup, step):
-        shards = replica_micro_batch_indices(case, step, dist.get_rank(), dist.get_world_size())
-        return [collate(case.dataset, idx, device=setup.device, dtype=case.dtype) for idx in shards]
-
-
-class _RankSeededTP(TensorParallelStrategy):
-    """Bug: each rank seeds its RNG with its rank, so TP peers draw different dropout masks."""
-
-    name = "tp-rank-seeded-mlp"
-
-    def forward_backward(self, case, setup, micro_batches):
-        if not setup.state.get("seeded"):
-            setup.state["seeded"] = True
-            torch.manual_seed(case.seed + dist.get_rank())
-        return super().forward_backward(case, setup, micro_batches)
 
 
 class _TransposedMeshDPxTP(DDPTensorParallelStrategy):
@@ -103,7 +81,7 @@ def test_dp_x_tp_with_replicate_passes_and_the_trace_holds_every_rank(reference_
 
 
 def test_tp_peers_reading_different_samples_are_named(reference_cache, tmp_path) -> None:
-    report = _diagnose(_PerRankBatchTP(), 4, tmp_path, reference_cache)
+    report = _diagnose(PerRankBatchTP(), 4, tmp_path, reference_cache)
     assert report.codes == ["inconsistent-replica-inputs"], report.verdict.to_dict()
 
 
@@ -111,7 +89,7 @@ def test_rank_seeded_dropout_is_rng_desync_and_the_correct_dropout_passes(refere
     # The transformer: its dropouts act on replicated activations, so TP peers drawing the same
     # masks match one device (the MLP's dropout acts on fc1's sharded output and never can).
     case = transformer_case(steps=1, layers=2, dropout=0.1)
-    bug = simulate_target(Target("bug", case, _RankSeededTP()), 2, workdir=tmp_path / "bug", cache=reference_cache)
+    bug = simulate_target(Target("bug", case, RankSeededTP()), 2, workdir=tmp_path / "bug", cache=reference_cache)
     assert bug.codes == ["rng-desync"], bug.verdict.to_dict()
     good = simulate_target(Target("good", case, TensorParallelStrategy()), 2, workdir=tmp_path / "good", cache=reference_cache)
     assert good.verdict.verdict == "pass", good.verdict.to_dict()
