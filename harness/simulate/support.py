@@ -5,8 +5,8 @@ FSDP2-style ``replicate`` and their 2-D meshes simulate and match the real ranks
 
 - a custom training loop: it is the user's own Python per rank (``ctx.rank``, its own
   recorder calls), and simulation runs one program for every rank;
-- ``DistributedDataParallel``: its C++ reducer copies gradients into flat buckets that are
-  plain tensors, outside the dispatcher the simulation works through;
+- ``DistributedDataParallel``: its C++ reducer checks and buckets parameters as plain tensors,
+  outside the dispatcher the simulation works through (setting it up fails);
 - ``fully_shard`` (FSDP2 sharding): it frees and re-allocates unsharded parameters by resizing
   their storage, which a LocalTensor does not have; skipping the resize gives wrong
   gradients that change from run to run, so it is refused rather than trusted;

@@ -85,9 +85,13 @@ class SimulatedWorld:
             )
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
         self._stack.callback(dist.destroy_process_group)
-        self._stack.enter_context(_skip_fsdp_storage_resize())
-        self.mode = self._stack.enter_context(LocalTensorMode(frozenset(self.ranks)))
-        self._stack.enter_context(_patched_rank(lambda: _symbolic_rank(self.world_size)))
+        try:
+            self._stack.enter_context(_skip_fsdp_storage_resize())
+            self.mode = self._stack.enter_context(LocalTensorMode(frozenset(self.ranks)))
+            self._stack.enter_context(_patched_rank(lambda: _symbolic_rank(self.world_size)))
+        except BaseException:
+            self._stack.close()  # no process group or patch outlives a failed start
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
