@@ -14,7 +14,7 @@ from cases.strategies.ddp import DDPStrategy
 
 EXPECTED_CODE = "collective-missing"
 NPROC = 2
-TIMEOUT = 10
+TIMEOUT = 6  # it hangs at step 0: what is left after reaching there is waiting
 CASE = mlp_case("adamw", steps=2)
 
 
