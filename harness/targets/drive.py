@@ -143,8 +143,11 @@ def diagnose_on_rank(
 
 
 def _tail(path: str, stop: threading.Event, echo: Callable[[str], None]) -> None:
+    """Echo the progress file's new lines every 0.2 s until ``stop``, then once more: the
+    ranks' last lines (the final step) are written just before they return."""
     pos = 0
-    while not stop.is_set():
+    while True:
+        stopping = stop.is_set()
         try:
             with open(path) as fh:
                 fh.seek(pos)
@@ -154,6 +157,8 @@ def _tail(path: str, stop: threading.Event, echo: Callable[[str], None]) -> None
             chunk = ""
         for line in chunk.splitlines():
             echo(f"  {line}")
+        if stopping:
+            return
         stop.wait(0.2)
 
 
