@@ -387,6 +387,9 @@ def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch):
         cwd=str(pytester.path),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # A suite started from a background job (`cmd &` in a CI script) ignores SIGINT, and
+        # its children inherit that: give the child the default, as a terminal's pytest has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + CHILD_DEADLINE
