@@ -93,13 +93,20 @@ def _write_reports(report: Any, json_path: str | None, html_path: str | None, tr
     return written
 
 
-def _check_layout(plan: Any, json_path: str | None, all_ranks: bool, quiet: bool) -> int:
+def _run_layout(plan: Any, json_path: str | None, echo: Any, *, all_ranks: bool = False) -> Any:
+    """Check ``plan``, print the report and write its JSON to ``json_path`` (if given)."""
     from harness.simulate.layout import check_layout, format_layout
 
-    report = check_layout(plan, echo=_echo(quiet))
-    print(format_layout(report, all_ranks=all_ranks))
+    report = check_layout(plan, echo=echo)
+    print(format_layout(report, all_ranks=all_ranks), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2, default=str))
+    return report
+
+
+def _check_layout(plan: Any, json_path: str | None, all_ranks: bool, quiet: bool) -> int:
+    report = _run_layout(plan, json_path, _echo(quiet), all_ranks=all_ranks)
+    if json_path:
         print(f"  wrote json {json_path}")
     return report.exit_code
 
@@ -171,7 +178,7 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
     echo = _echo(args.quiet)
     rows = []
     started = time.monotonic()
-    from harness.targets.bundled import demo_targets
+    from harness.targets.bundled import demo_targets, load_target
 
     if args.simulate is not None:
         from cases.mesh_targets import SIMULATION_DEMO
@@ -179,17 +186,11 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
         targets = SIMULATION_DEMO
     else:
         targets = demo_targets()
-    from harness.targets.bundled import load_target
-
     for i, (name, expected) in enumerate(targets, 1):
         echo(f"[{i}/{len(targets)}] {name}")
         plan = load_target(name).layout
         if plan is not None:
-            from harness.simulate.layout import check_layout, format_layout
-
-            layout = check_layout(plan, echo=echo)
-            print(format_layout(layout), flush=True)
-            (out / f"{name}.json").write_text(json.dumps(layout.to_json(), indent=2, default=str))
+            layout = _run_layout(plan, str(out / f"{name}.json"), echo)
             verdict, codes = ("fail" if layout.diagnoses else "pass"), list(dict.fromkeys(layout.codes))
         else:
             if args.simulate is not None:
@@ -213,9 +214,7 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
 
 
 def _list() -> int:
-    from harness.targets.bundled import bug_codes, bundled_targets
-
-    from harness.targets.bundled import load_target
+    from harness.targets.bundled import bug_codes, bundled_targets, load_target
 
     codes = bug_codes()
     for name, module in sorted(bundled_targets().items()):

@@ -48,6 +48,7 @@ __all__ = [
     "reference_named_parameters",
     "rename_parameters",
     "shard_spec",
+    "tensor_digest",
 ]
 
 _SPEC_ATTR = "_harness_shard_spec"
@@ -257,7 +258,8 @@ def local_state(
 # -- gathering -----------------------------------------------------------------------------
 
 
-def _digest(t: torch.Tensor) -> str:
+def tensor_digest(t: torch.Tensor) -> str:
+    """A short fingerprint of a tensor's bytes (replicas that must agree are compared by it)."""
     data = t.detach().to("cpu").contiguous().reshape(-1)
     return hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
@@ -296,7 +298,7 @@ def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
     else:
         info.update(layout="plain", group=[dist.get_rank()], key=repr(("full",)))
     if check_replicas and info["key"] is not None:
-        info["digest"] = _digest(local)
+        info["digest"] = tensor_digest(local)
     return info
 
 

@@ -123,18 +123,26 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _state_tensors(
+    modules: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | None
+) -> list[tuple[int, torch.Tensor]]:
+    """``(kind, tensor)`` of every piece of training state: 0 parameters (shared ones once),
+    1 their gradients, 2 the optimizer's state tensors."""
+    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+    params = _unique(p for m in mods for p in m.parameters())
+    out: list[tuple[int, torch.Tensor]] = [(0, p) for p in params] + [(1, p.grad) for p in params if p.grad is not None]
+    if optimizer is not None:
+        out += [(2, v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 def state_bytes(modules: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
     """Local ``(param, grad, optimizer-state)`` bytes of ``modules`` (a model, or the local
     pipeline chunks) and ``optimizer``; shared parameters are counted once."""
-    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
-    params = _unique(p for m in mods for p in m.parameters())
-    param_b = sum(_nbytes(p) for p in params)
-    grad_b = sum(_nbytes(p.grad) for p in params if p.grad is not None)
-    optim_b = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            optim_b += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return param_b, grad_b, optim_b
+    totals = [0, 0, 0]
+    for kind, t in _state_tensors(modules, optimizer):
+        totals[kind] += _nbytes(t)
+    return totals[0], totals[1], totals[2]
 
 
 def state_bytes_per_rank(
@@ -146,21 +154,12 @@ def state_bytes_per_rank(
     from torch.distributed._local_tensor import LocalTensor
     from torch.distributed.tensor import DTensor
 
-    def sizes(t: torch.Tensor) -> dict[int, int]:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if isinstance(local, LocalTensor):
-            return {r: local._local_tensors[r].numel() * local._local_tensors[r].element_size() for r in ranks}
-        return {r: local.numel() * local.element_size() for r in ranks}
-
-    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
-    params = _unique(p for m in mods for p in m.parameters())
     totals = {r: [0, 0, 0] for r in ranks}
-    tensors: list[tuple[int, torch.Tensor]] = [(0, p) for p in params] + [(1, p.grad) for p in params if p.grad is not None]
-    if optimizer is not None:
-        tensors += [(2, v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    for kind, t in tensors:
-        for r, n in sizes(t).items():
-            totals[r][kind] += n
+    for kind, t in _state_tensors(modules, optimizer):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        for r in ranks:
+            piece = local._local_tensors[r] if isinstance(local, LocalTensor) else local
+            totals[r][kind] += piece.numel() * piece.element_size()
     return {r: (p, g, o) for r, (p, g, o) in totals.items()}
 
 

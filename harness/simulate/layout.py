@@ -41,7 +41,7 @@ from reference.schedule import global_batch_indices, replica_micro_batch_indices
 from harness.codes import Diagnosis
 from harness.parallel_dims import ParallelDims
 from harness.record.memory import SavedTensorMeter, format_bytes, reference_memory, state_bytes_per_rank
-from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace
+from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace, collective_records
 from harness.simulate.world import SimulatedWorld, SimulationError
 from harness.tracing.records import CollectiveRecord, record_bytes
 
@@ -101,7 +101,7 @@ def _partition(groups: Mapping[int, list[int]]) -> list[list[int]]:
     return [list(g) for g in sorted({tuple(sorted(g)) for g in groups.values()})]
 
 
-def _expected_state(model: nn.Module, rank: int, element_bytes: int) -> dict[str, int]:
+def _expected_state(model: nn.Module, element_bytes: int) -> dict[str, int]:
     """The arithmetic: each parameter's elements over the mesh sizes it is sharded along,
     times bytes per element, for weights, gradients and Adam's two moments."""
     elements = 0
@@ -206,49 +206,36 @@ def check_layout(plan: LayoutPlan, *, echo: Callable[[str], None] | None = None)
                 grads = state_bytes_per_rank(model, None, list(local_to_global))
                 optimizer.step()
                 measured_all = state_bytes_per_rank(model, optimizer, list(local_to_global))
+                expected = _expected_state(model, element_bytes)  # the same on every rank of the stage
             for k, g in local_to_global.items():
                 measured = measured_all[k]
-                expected = _expected_state(model, k, element_bytes)
                 coords = groups.coords[g]
                 rank_rows[g] = {
                     "rank": g, "mesh": coords, "declared": layouts[g].mesh, "dp_replica": layouts[g].dp_rank, "stage": stage,
                     "samples": samples[g][0], "params": measured[0], "grads": grads[k][1], "optim": measured[2],
-                    "expected": expected, "activations": meter.peak_bytes,
+                    "expected": dict(expected), "activations": meter.peak_bytes,
                 }
         # the stage's collectives, once per global rank, in that rank's real groups
-        for call in log.calls:
-            dim = stage_groups.dim_of(call["ranks"]) if call["ranks"] is not None else None
-            for k, g in local_to_global.items():
-                members = [local_to_global[x] for x in stage_groups.by_dim[dim][k]] if dim else [g]
-                name = f"{dim}:{','.join(map(str, sorted(members)))}" if dim else f"pg:{g}"
-                records[g].append(CollectiveRecord(
-                    rank=g, index=len(records[g]), op=call["op"], group=name, group_desc=f"mesh_{dim}" if dim else "",
-                    group_ranks=sorted(members), shapes=call["shapes"], dtypes=call["dtypes"], reduce_op=call["reduce_op"],
-                    step=call["step"], phase=call["phase"], source="simulated",
-                ))
+        for g, stage_records in collective_records(log.calls, stage_groups, local_to_global).items():
+            records[g].extend(stage_records)
         if stage < dims.pp - 1:
+            # the next stage's local rank k (the same dp, tp place) is the peer of this stage's k
             nxt = _stage_ranks(groups, dims, stage + 1)
             for k, g in local_to_global.items():
                 peer = nxt[k // dims.tp][k % dims.tp]
+                pair = f"pp:{min(g, peer)},{max(g, peer)}"
                 for m, act in enumerate(outputs[k]):
                     shape, dtype = [list(act.shape)], [str(act.dtype).removeprefix("torch.")]
-                    pair = f"pp:{min(g, peer)},{max(g, peer)}"
-                    for rank, other, op in ((g, peer, "send"), (peer, g, "recv")):
-                        records[rank].append(CollectiveRecord(
-                            rank=rank, index=len(records[rank]), op=op, group=pair, group_desc="pipeline p2p (forward)",
-                            group_ranks=sorted((g, peer)), is_p2p=True, peer=other, seq=m + 1, shapes=shape, dtypes=dtype,
-                            step=0, phase="train", source="simulated"))
-                    for rank, other, op in ((peer, g, "send"), (g, peer, "recv")):
-                        records[rank].append(CollectiveRecord(
-                            rank=rank, index=len(records[rank]), op=op, group=pair, group_desc="pipeline p2p (backward)",
-                            group_ranks=sorted((g, peer)), is_p2p=True, peer=other, seq=m + 1, shapes=shape, dtypes=dtype,
-                            step=0, phase="train", source="simulated"))
+                    # the activation forward (g -> peer), its gradient backward (peer -> g)
+                    for direction, sender, receiver in (("forward", g, peer), ("backward", peer, g)):
+                        for rank, other, op in ((sender, receiver, "send"), (receiver, sender, "recv")):
+                            records[rank].append(CollectiveRecord(
+                                rank=rank, index=len(records[rank]), op=op, group=pair, group_desc=f"pipeline p2p ({direction})",
+                                group_ranks=sorted((g, peer)), is_p2p=True, peer=other, seq=m + 1, shapes=shape,
+                                dtypes=dtype, step=0, phase="train", source="simulated"))
             received = {k: outputs[k] for k in local_to_global}
-            # the next stage's local rank k is the peer of this stage's local rank k
 
-    trace = build_trace(world, groups, layouts, {}, samples, [], {"layout": plan.name})
-    for r, rt in trace.ranks.items():
-        rt.collectives = records[r]
+    trace = build_trace(world, groups, layouts, {}, samples, records, {"layout": plan.name})
 
     # 4. the checks
     expected_ids = {0: [ids_of.get(i, i) for i in global_batch_indices(case, 0)]}
@@ -270,8 +257,7 @@ def check_layout(plan: LayoutPlan, *, echo: Callable[[str], None] | None = None)
         diagnoses=_dedupe(found),
         elapsed_s=time.monotonic() - started,
     )
-    adam_steps = [row for row in report.ranks if row["optim"] - row["expected"]["optim"] not in (0,)]
-    if adam_steps:
+    if any(row["optim"] != row["expected"]["optim"] for row in report.ranks):
         report.notes.append("optimizer state measured = arithmetic + Adam's per-parameter step counters "
                             f"({report.ranks[0]['optim'] - report.ranks[0]['expected']['optim']} B on rank 0): scalars, never sharded")
     return report

@@ -9,7 +9,6 @@ rank's value. Losses and sample ids are per rank, as each rank reported them.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,17 +20,12 @@ from reference.record import RecordWriter, is_dtensor, optimizer_param_groups
 from reference.trainer import dropout_info
 
 from harness.parallel_dims import RankLayout
-from harness.record.gather import local_state, reference_named_parameters
+from harness.record.gather import local_state, reference_named_parameters, tensor_digest
 from harness.record.recorder import RankRecorder
 from harness.simulate.trace import MeshGroups
 from harness.simulate.world import rank_values
 
 __all__ = ["SimulatedRecorder"]
-
-
-def _digest(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().reshape(-1)
-    return hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 class SimulatedRecorder(RankRecorder):
@@ -99,7 +93,7 @@ class SimulatedRecorder(RankRecorder):
             if key_of is not None:
                 by_key: dict[Any, dict[str, list[int]]] = {}
                 for r in ranks:
-                    by_key.setdefault(key_of[r], {}).setdefault(_digest(values[r]), []).append(r)
+                    by_key.setdefault(key_of[r], {}).setdefault(tensor_digest(values[r]), []).append(r)
                 groups = [sorted(g) for digests in by_key.values() if len(digests) > 1 for g in digests.values()]
                 if groups:
                     mismatches[entry.name] = sorted(groups)

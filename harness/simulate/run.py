@@ -27,7 +27,7 @@ from reference.schedule import global_batch_indices
 from harness.parallel_dims import ParallelConfigError
 from harness.simulate.recorder import SimulatedRecorder
 from harness.simulate.support import DDP_REASON, REAL_RANKS, check_setup, check_target
-from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace
+from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace, collective_records
 from harness.simulate.world import SimulatedWorld, SimulationError
 
 __all__ = ["SimulatedRanks", "SimulatedRun", "diagnose_simulated", "simulate_strategy", "simulate_target"]
@@ -43,13 +43,11 @@ class SimulatedRanks:
 
 @dataclasses.dataclass
 class SimulatedRun:
-    """What a simulated run left: the record and trace paths and the trace itself."""
+    """What a simulated run left: its record and trace files."""
 
     record_path: str
     trace_path: str
     world_size: int
-    elapsed_s: float
-    trace: Any = None
 
 
 def _stack_batches(world: SimulatedWorld, per_rank: dict[int, list[Batch]]) -> list[Batch]:
@@ -100,7 +98,6 @@ def simulate_strategy(
     from harness.tracing.mesh import describe_model
 
     say = progress or (lambda line: None)
-    started = time.monotonic()
     case = case if steps is None else case.replace(steps=steps)
     case.validate()
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
@@ -154,10 +151,10 @@ def simulate_strategy(
                 recorder.finish(complete=False)  # keep the steps recorded so far
                 raise
         record = recorder.finish()
-    trace = build_trace(world_size, groups, layouts, params, samples, log.calls,
+    trace = build_trace(world_size, groups, layouts, params, samples, collective_records(log.calls, groups),
                         {"case": case.name, "strategy": strategy.name}, random_draws=log.random_draws)
     trace_path = str(trace.save(Path(record.path) / TRACE_FILE))
-    return SimulatedRun(str(record.path), trace_path, world_size, time.monotonic() - started, trace=trace)
+    return SimulatedRun(str(record.path), trace_path, world_size)
 
 
 def _setup_failed(name: str, exc: Exception) -> SimulationError | None:

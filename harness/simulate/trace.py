@@ -24,9 +24,9 @@ from harness.tracing.random_ops import MAX_DRAWS, RandomDraw, draw_digest, rando
 from harness.tracing.records import CollectiveRecord
 from harness.tracing.run_trace import RankTrace, RunTrace
 
-__all__ = ["CollectiveLog", "MeshGroups", "build_trace"]
+__all__ = ["CollectiveLog", "MeshGroups", "build_trace", "collective_records"]
 
-# op name -> (harness op name, index of the group argument)
+# functional collective -> the op name the harness's records use
 _FUNCTIONAL = {
     "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
     "all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -36,6 +36,7 @@ _FUNCTIONAL = {
 }
 # c10d's RedOpType values, as the functional collectives spell them.
 _REDUCE_OPS = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor", 8: "premul_sum"}
+# c10d op (what dist.all_reduce and friends dispatch) -> the records' op name
 _C10D = {
     "allreduce_": "all_reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather",
     "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter", "broadcast_": "broadcast",
@@ -158,7 +159,7 @@ class CollectiveLog(TorchDispatchMode):
         for a in args[1:]:
             kind = _script_class(a)
             if functional and isinstance(a, str):
-                if a in ("sum", "avg", "max", "min", "product", "premul_sum"):
+                if a in _REDUCE_OPS.values():
                     reduce_op = a
                 else:
                     group = a  # the group name, the last string argument
@@ -186,37 +187,49 @@ def _flat(value: Any) -> list[Any]:
     return [value]
 
 
+def collective_records(
+    calls: Sequence[dict[str, Any]], groups: MeshGroups, to_global: Mapping[int, int] | None = None
+) -> dict[int, list[CollectiveRecord]]:
+    """Each logged call as a record on every rank, in that rank's group along the call's dim,
+    numbered per group. ``to_global`` maps the simulated world's ranks to the job's (a layout
+    check simulates one pipeline stage's ranks at a time); default: the same ranks."""
+    rank_of = dict(to_global) if to_global is not None else {r: r for r in range(groups.world_size)}
+    per_rank: dict[int, list[CollectiveRecord]] = defaultdict(list)
+    seq: dict[tuple[str, int], int] = defaultdict(int)
+    for call in calls:
+        dim = groups.dim_of(call["ranks"]) if call["ranks"] is not None else None
+        for local, r in rank_of.items():
+            if dim is not None:
+                members, desc = [rank_of[x] for x in groups.by_dim[dim][local]], f"mesh_{dim}"
+                name = f"{dim}:{','.join(map(str, sorted(members)))}"
+            elif call["ranks"] is not None and local in call["ranks"]:
+                members, desc = [rank_of[x] for x in call["ranks"]], "hand-built group"
+                name = "pg:" + ",".join(map(str, members))
+            elif call["ranks"] is None:
+                members, name, desc = sorted(rank_of.values()), "world", "default group"
+            else:
+                continue
+            seq[(name, r)] += 1
+            per_rank[r].append(CollectiveRecord(
+                rank=r, index=len(per_rank[r]), op=call["op"], group=name, group_desc=desc, group_ranks=sorted(members),
+                seq=seq[(name, r)], shapes=call["shapes"], dtypes=call["dtypes"], reduce_op=call["reduce_op"],
+                step=call["step"], phase=call["phase"], source="simulated",
+            ))
+    return per_rank
+
+
 def build_trace(
     world_size: int,
     groups: MeshGroups,
     layouts: Mapping[int, Any],
     params: Mapping[str, dict[str, Any]],
     samples: Mapping[int, Mapping[int, list[list[int]]]],
-    calls: Sequence[dict[str, Any]],
+    records: Mapping[int, list[CollectiveRecord]],
     meta: Mapping[str, Any],
     random_draws: Mapping[int, list[RandomDraw]] | None = None,
 ) -> RunTrace:
-    """One :class:`RankTrace` per simulated rank from the log: each call becomes a record on
-    every rank, in that rank's group along the call's dim (numbered per group)."""
-    per_rank: dict[int, list[CollectiveRecord]] = defaultdict(list)
-    seq: dict[str, int] = defaultdict(int)
-    for call in calls:
-        dim = groups.dim_of(call["ranks"]) if call["ranks"] is not None else None
-        for r in range(world_size):
-            if dim is not None:
-                members, name, desc = groups.by_dim[dim][r], groups.group_name(dim, r), f"mesh_{dim}"
-            elif call["ranks"] is not None and r in call["ranks"]:
-                members, name, desc = call["ranks"], "pg:" + ",".join(map(str, call["ranks"])), "hand-built group"
-            elif call["ranks"] is None:
-                members, name, desc = list(range(world_size)), "world", "default group"
-            else:
-                continue
-            seq[name + f"@{r}"] += 1
-            per_rank[r].append(CollectiveRecord(
-                rank=r, index=len(per_rank[r]), op=call["op"], group=name, group_desc=desc, group_ranks=list(members),
-                seq=seq[name + f"@{r}"], shapes=call["shapes"], dtypes=call["dtypes"], reduce_op=call["reduce_op"],
-                step=call["step"], phase=call["phase"], source="simulated",
-            ))
+    """One :class:`RankTrace` per simulated rank: its declared layout, its real groups along
+    each mesh dim, parameters, samples and collective ``records`` (:func:`collective_records`)."""
     ranks: dict[int, RankTrace] = {}
     for r in range(world_size):
         rank_groups = {
@@ -227,7 +240,7 @@ def build_trace(
         ranks[r] = RankTrace(
             rank=r, world_size=world_size, backend="fake (simulated)", layout=layouts[r].to_json(),
             device_meshes=[groups.describe(r)] if groups.dims else [], groups=rank_groups, params=dict(params),
-            samples={s: list(v) for s, v in samples.get(r, {}).items()}, collectives=per_rank[r],
+            samples={s: list(v) for s, v in samples.get(r, {}).items()}, collectives=list(records.get(r, [])),
             random_ops=list((random_draws or {}).get(r, [])),
         )
     return RunTrace(ranks=ranks, meta={**meta, "world_size": world_size, "simulated": True})

@@ -22,31 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SimulatedContext", "SimulatedWorld", "SimulationError", "rank_values"]
+from harness.context import DistContext
+
+__all__ = ["SimulatedWorld", "SimulationError", "rank_values"]
 
 
 class SimulationError(RuntimeError):
     """A target cannot run on simulated ranks (the message says why and what to run instead)."""
-
-
-class SimulatedContext:
-    """The ``dist_ctx`` a strategy's setup sees under simulation: the process is rank 0 of the
-    fake group; per-rank facts come from the strategy's layout, rank by rank."""
-
-    def __init__(self, world_size: int):
-        self.rank = 0
-        self.world_size = world_size
-        self.local_rank = 0
-        self.backend = "fake"
-        self.device_type = "cpu"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def is_main(self) -> bool:
-        return True
 
 
 def rank_values(value: Any, ranks: range | list[int]) -> dict[int, Any]:
@@ -70,7 +52,9 @@ class SimulatedWorld:
             raise SimulationError(f"simulated world size must be a positive int, got {world_size!r}")
         self.world_size = world_size
         self.ranks = range(world_size)
-        self.ctx = SimulatedContext(world_size)
+        # What a strategy's setup sees: this process is rank 0 of the fake group; per-rank
+        # facts come from the strategy's layout, rank by rank.
+        self.ctx = DistContext(rank=0, world_size=world_size, local_rank=0, backend="fake", device_type="cpu")
         self.mode: Any = None
         self._stack = contextlib.ExitStack()
 
