@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
     d.add_argument("--out", metavar="DIR", default="harness-reports", help="demo only: directory for every target's reports (default harness-reports)")
     d.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung (default: the target's TIMEOUT, else 300)")
-    d.add_argument("--stall-window", type=float, default=10.0, metavar="S",
-                   help="seconds without progress on every running rank before a run counts as hung (default 10; 0: only --timeout)")
+    d.add_argument("--stall-window", type=float, default=None, metavar="S",
+                   help="seconds without progress on every running rank before a run counts as hung (default: the target's STALL_WINDOW, else 10; 0: only --timeout)")
     d.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="process-group backend (default auto)")
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="rank device (default auto)")
     d.add_argument("--tolerance", choices=("auto", "calibrated", "default"), default="auto",
@@ -133,6 +133,7 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
     report = diagnose_target(
         args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
         cache=args.cache, echo=_echo(args.quiet), tolerance=args.tolerance, comparison=args.comparison,
+        stall_window=args.stall_window,
     )
     print(format_terminal(report, verbose=args.verbose))
     for line in _write_reports(report, args.json, args.html, args.trace):
@@ -197,7 +198,8 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
                 report = _simulate(args, name)
             else:
                 report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
-                                         cache=args.cache, echo=echo, tolerance=args.tolerance, comparison=args.comparison)
+                                         cache=args.cache, echo=echo, tolerance=args.tolerance, comparison=args.comparison,
+                                         stall_window=args.stall_window)
             print(format_terminal(report, verbose=args.verbose), flush=True)
             _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
             verdict, codes = report.verdict.verdict, report.codes
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.html or args.trace:
                 return _usage(parser, f"{args.target} is a layout check: it writes --json only")
             return _check_layout(resolved.layout, args.json, False, args.quiet)
-    if not (args.stall_window >= 0 and math.isfinite(args.stall_window)):
+    if args.stall_window is not None and not (args.stall_window >= 0 and math.isfinite(args.stall_window)):
         return _usage(parser, f"--stall-window must be a finite number of seconds >= 0, got {args.stall_window}")
     if args.simulate is not None:
         try:
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
-    runner = RankRunner(backend=args.backend, device=args.device, stall_window=args.stall_window)
+    runner = RankRunner(backend=args.backend, device=args.device)
     try:
         return _diagnose_one(args, runner) if args.target is not None else _demo(args, runner)
     except KeyboardInterrupt:

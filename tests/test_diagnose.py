@@ -154,7 +154,7 @@ def test_the_demo_runs_every_target_and_checks_its_expected_code(rank_runner, re
 
     monkeypatch.setattr(bundled, "demo_targets", lambda: [("summed_grads", "grad-not-averaged"), ("ddp", None)])
     args = argparse.Namespace(out=str(tmp_path / "reports"), quiet=True, verbose=False, nproc=None, simulate=None, steps=None, timeout=None, cache=reference_cache,
-                              tolerance="auto", comparison="stepwise")
+                              tolerance="auto", comparison="stepwise", stall_window=None)
     assert cli._demo(args, rank_runner) == 0
     out = capsys.readouterr().out
     assert "2/2 named as expected" in out
@@ -283,8 +283,16 @@ def test_target_files_are_validated_and_package_files_import_as_part_of_their_pa
                    "CASE = mlp_case()\nSTRATEGY = DDPStrategy()\nTIMEOUT = -5\n")
     with pytest.raises(TargetError, match="TIMEOUT must be a finite number of seconds > 0, got -5"):
         load_target(str(bad))
+    stall = tmp_path / "bad_stall.py"
+    stall.write_text("from cases.catalog import mlp_case\nfrom cases.strategies import DDPStrategy\n"
+                     "CASE = mlp_case()\nSTRATEGY = DDPStrategy()\nSTALL_WINDOW = 'soon'\n")
+    with pytest.raises(TargetError, match="STALL_WINDOW must be a finite number of seconds > 0, got 'soon'"):
+        load_target(str(stall))
     relative = load_target(str(REPO / "cases" / "bugs" / "summed_grads.py"))  # uses `from ._manual_dp import`
     assert relative.expected_code == "grad-not-averaged"
+    # The bundled hangs are named by their stall window; the deadline only caps a run that never stalls.
+    hang = load_target(str(REPO / "cases" / "bugs" / "mesh_dims_per_node_hang.py"))
+    assert (hang.stall_window, hang.timeout) == (3.0, 120.0)
 
 
 def test_list_into_a_closed_pipe_ends_quietly() -> None:

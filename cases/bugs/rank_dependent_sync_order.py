@@ -16,7 +16,8 @@ from ._manual_dp import ManualDataParallel
 
 EXPECTED_CODE = "collective-mismatch"
 NPROC = 2
-TIMEOUT = 10
+TIMEOUT = 120  # a cap only: a hang is named after STALL_WINDOW s without progress
+STALL_WINDOW = 3
 CASE = mlp_case("adamw", steps=2)
 
 

@@ -106,6 +106,8 @@ class PoolConfig:
 # the window separates the two with room on both sides.
 STALL_CPU_FRACTION = 0.01
 STALL_SAMPLE_S = 1.0
+# How many dump_timeouts a rank still working on its dump may take to answer (see RankPool.dump).
+DUMP_PATIENCE = 6
 
 
 @dataclass
@@ -448,16 +450,17 @@ class RankPool:
             self._check_started_alive(phase)
 
     # -- run one test -----------------------------------------------------------------------
-    def run(self, task: TestTask, timeout: float) -> RunOutcome:
+    def run(self, task: TestTask, timeout: float, stall_window: float | None = None) -> RunOutcome:
+        """Run ``task`` on every rank; ``stall_window`` overrides the pool's for this call."""
         try:
-            return self._run(task, timeout)
+            return self._run(task, timeout, self.config.stall_window if stall_window is None else stall_window)
         except KeyboardInterrupt:
             # Ctrl-C while the ranks are inside a test body: they would not answer an orderly
             # shutdown, so their trees are killed now and the interrupt goes on at once.
             self.close()
             raise
 
-    def _run(self, task: TestTask, timeout: float) -> RunOutcome:
+    def _run(self, task: TestTask, timeout: float, stall_window: float) -> RunOutcome:
         if not self.alive:
             raise RuntimeError("this rank pool was closed")
         self.tests_run += 1
@@ -472,14 +475,14 @@ class RankPool:
             except (OSError, EOFError):
                 pass  # noticed below as a death
         first_failure: float | None = None
-        stall = _StallWatch(self.config.stall_window, {r.rank: r.proc.pid for r in self.ranks}, started)
+        stall = _StallWatch(stall_window, {r.rank: r.proc.pid for r in self.ranks}, started)
         while pending:
             now = time.monotonic()
             limit = deadline if first_failure is None else min(deadline, first_failure + self.config.failure_grace)
             if now >= limit:
                 break
             if first_failure is None and stall.stalled(list(pending), now):
-                outcome.stalled_s = self.config.stall_window
+                outcome.stalled_s = stall_window
                 break
             handles = [h for r in pending.values() for h in r.wait_handles()]
             ready = wait(handles, timeout=min(limit - now, 0.5))
@@ -521,6 +524,10 @@ class RankPool:
             for rank in pending:
                 outcome.aborted[rank] = dumps.get(rank)
             outcome.finished = {r: d for r, d in dumps.items() if r not in pending}
+            for rank, found in dumps.items():
+                # A rank that did not answer still journalled what it issued from Python.
+                if found is None or found.state == "unresponsive":
+                    outcome.journals[rank] = read_journal(journal_path(self.workdir, rank))
             self._retire("timed out" if outcome.timed_out else "ranks aborted after a failure", outcome)
         elif outcome.deaths:
             self._retire("a rank died", outcome)
@@ -543,10 +550,26 @@ class RankPool:
                 asked.append(r)
             except (OSError, EOFError, AssertionError):
                 pass
-        deadline = time.monotonic() + self.config.dump_timeout
         waiting = {r.control: r for r in asked if r.control is not None}
-        while waiting and time.monotonic() < deadline:
-            for conn in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+        # A rank gets dump_timeout to answer, and more while it is visibly working on the
+        # answer (its tree uses CPU, as reading its collectives does on a loaded machine), up to
+        # DUMP_PATIENCE x dump_timeout: a fixed deadline let a busy machine turn a slow answer
+        # into "did not answer" and lose the hang's diagnosis.
+        started = time.monotonic()
+        deadline, cap = started + self.config.dump_timeout, started + DUMP_PATIENCE * self.config.dump_timeout
+        cpu = {r.rank: procs.cpu_seconds(r.proc.pid) for r in waiting.values()}
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                busy = False
+                for r in waiting.values():
+                    used = procs.cpu_seconds(r.proc.pid)
+                    busy |= used - cpu[r.rank] > STALL_CPU_FRACTION * self.config.dump_timeout
+                    cpu[r.rank] = used
+                if not busy or now >= cap:
+                    break
+                deadline = min(cap, now + self.config.dump_timeout)
+            for conn in wait(list(waiting), timeout=max(0.0, min(deadline, cap) - time.monotonic())):
                 r = waiting.pop(conn)
                 try:
                     dumps[r.rank] = conn.recv()
@@ -690,9 +713,9 @@ class PoolManager:
         self.pools[key] = pool
         return pool
 
-    def run(self, key: PoolKey, task: TestTask, timeout: float) -> RunOutcome:
+    def run(self, key: PoolKey, task: TestTask, timeout: float, stall_window: float | None = None) -> RunOutcome:
         pool = self.get(key)
-        outcome = pool.run(task, timeout)
+        outcome = pool.run(task, timeout, stall_window)
         if pool.alive:
             why = "fresh pool per test requested" if self.fresh_per_test else pool.reset()
             if why:

@@ -91,9 +91,11 @@ class RankRunner:
         kwargs: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
         seed: int = 0,
+        stall_window: float | None = None,
     ) -> RemoteResult:
         """Collective call of ``fn(ctx=..., **kwargs)`` on ``nproc`` ranks. Raises
-        :class:`RanksHung` on a timeout and :class:`RanksFailed` when a rank fails or dies."""
+        :class:`RanksHung` on a timeout or a stall and :class:`RanksFailed` when a rank fails or
+        dies. ``stall_window`` overrides the runner's for this call (0: only the deadline)."""
         from harness.launch.failure_text import format_failure
 
         module, path = _importable(fn)
@@ -110,7 +112,7 @@ class RankRunner:
             plain_import=True,
         )
         try:
-            outcome = self.manager.run(self.key(nproc), task, timeout)
+            outcome = self.manager.run(self.key(nproc), task, timeout, stall_window)
         except PoolStartError as exc:
             raise RanksFailed(f"could not start {nproc} ranks: {exc}", RunOutcome(nproc)) from exc
         if outcome.timed_out:

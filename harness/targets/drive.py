@@ -174,10 +174,12 @@ def diagnose_target(
     echo: Callable[[str], None] | None = None,
     tolerance: str = "auto",
     comparison: str = "stepwise",
+    stall_window: float | None = None,
 ) -> DiagnosisReport:
     """Diagnose ``target`` (see :mod:`harness.targets.target`) on ``nproc`` ranks (default: the
     target's NPROC, else 2) and return the report. ``timeout`` defaults to the target's
-    TIMEOUT, else 300 s. ``echo`` receives progress lines. ``tolerance`` and ``comparison``
+    TIMEOUT, else 300 s; ``stall_window`` to the target's STALL_WINDOW, else the runner's
+    (see :meth:`~harness.launch.remote.RankRunner.run`). ``echo`` receives progress lines. ``tolerance`` and ``comparison``
     as :func:`harness.run.compare_to_reference` takes them."""
     say = echo or (lambda line: None)
     resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
@@ -200,6 +202,7 @@ def diagnose_target(
     try:
         result = runner.run(
             diagnose_on_rank, nproc=world, timeout=timeout or resolved.timeout or 300.0,
+            stall_window=stall_window if stall_window is not None else resolved.stall_window,
             kwargs={"target_spec": target, "steps": steps, "workdir": work, "tolerance": tolerance, "comparison": comparison,
                     "cache": str(cache) if cache is not None else None, "progress_path": progress_path},
         )

@@ -14,7 +14,8 @@ A target file defines::
     CASE = transformer_case()          # a reference.Case, or a function returning one
     STRATEGY = MyStrategy()            # a harness.strategy.Strategy (instance, class or factory)
     NPROC = 2                          # optional: the world size it needs
-    TIMEOUT = 30                       # optional: seconds before it counts as hung
+    TIMEOUT = 30                       # optional: the deadline in seconds (a run still going is stopped)
+    STALL_WINDOW = 3                   # optional: seconds without progress on every rank that count as hung
     EXPECTED_CODE = "grad-scaled"      # optional: what its diagnosis must name (cases/bugs)
 
 or, for a custom training loop (see :mod:`harness.record.custom`)::
@@ -57,7 +58,9 @@ class Target:
     strategy: Any = None
     train: Callable[..., Any] | None = None
     nproc: int | None = None
-    timeout: float | None = None  # seconds before the run counts as hung (TIMEOUT in the file)
+    timeout: float | None = None  # the run's deadline in seconds (TIMEOUT in the file)
+    # Seconds in which no running rank makes progress that name the run hung (STALL_WINDOW).
+    stall_window: float | None = None
     expected_code: str | None = None
     source: str = ""  # the module file it came from
     description: str = ""
@@ -197,6 +200,10 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not (timeout > 0 and math.isfinite(timeout))):
         raise TargetError(f"{where}: TIMEOUT must be a finite number of seconds > 0, got {timeout!r}")
+    stall_window = getattr(module, "STALL_WINDOW", None)
+    if stall_window is not None and (isinstance(stall_window, bool) or not isinstance(stall_window, (int, float))
+                                     or not (stall_window > 0 and math.isfinite(stall_window))):
+        raise TargetError(f"{where}: STALL_WINDOW must be a finite number of seconds > 0, got {stall_window!r}")
     doc = (module.__doc__ or "").strip().splitlines()
     return Target(
         name=label or Path(getattr(module, "__file__", module.__name__)).stem + (f":{name}" if name else ""),
@@ -205,6 +212,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
         train=train,
         nproc=nproc,
         timeout=float(timeout) if timeout is not None else None,
+        stall_window=float(stall_window) if stall_window is not None else None,
         expected_code=getattr(module, "EXPECTED_CODE", None),
         source=getattr(module, "__file__", "") or "",
         description=doc[0] if doc else "",

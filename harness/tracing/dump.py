@@ -19,19 +19,28 @@ _MARKS: dict[int, tuple[int, int]] = {}
 _LAST_SEQS: dict[str, int] = {}
 
 
-def read_entries(after_record_id: int = -1, with_stacks: bool = True) -> list[CollectiveEntry]:
+def read_entries(after_record_id: int = -1, with_stacks: bool | None = None) -> list[CollectiveEntry]:
     """Collectives and p2p ops of this rank, oldest first: FR's entries with a record id above
     ``after_record_id`` merged with the Python hooks' calls since :func:`last_record_id`
     returned that id.
 
     Returns what the Python hooks saw when Flight Recorder is off or unavailable.
-    ``with_stacks=False`` skips symbolizing FR's stacks (call sites then come from the hooks
-    only, which see every collective issued from Python)."""
+    ``with_stacks``: True symbolizes FR's stacks, False never does (call sites then come from
+    the hooks only, which see every collective issued from Python); None (default) symbolizes
+    only when an entry has no Python call to take its call site from (a collective issued from
+    C++, such as DDP's reducer). Symbolizing costs seconds on a loaded machine, which a rank
+    answering a hang dump does not have."""
     since_ns, py_mark = _MARKS.get(after_record_id, (0, 0))
-    data = fr.dump(with_stacks) or {}
-    raw = [e for e in data.get("entries", []) or [] if e.get("record_id", -1) > after_record_id]
     calls = [c for c in hooks.calls_since(py_mark) if c.t0_ns >= since_ns]
-    found = records.merge(data, raw, calls)
+
+    def merged(stacks: bool) -> list[records.CollectiveRecord]:
+        data = fr.dump(stacks) or {}
+        raw = [e for e in data.get("entries", []) or [] if e.get("record_id", -1) > after_record_id]
+        return records.merge(data, raw, calls)
+
+    found = merged(bool(with_stacks))
+    if with_stacks is None and any(r.source == "fr" and not r.call_site for r in found):
+        found = merged(True)
     records.renumber_p2p(found)  # p2p ops counted from the mark, like a test's collectives
     tracer = current_tracer()
     if tracer is not None:  # a traced run: each record's step and phase ("harness" for its own)
