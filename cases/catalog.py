@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from reference.case import Case
 
 from .data import SyntheticRegression, SyntheticTokens
-from .models import TinyTransformer, TwoLayerMLP
+from .models import NormedMLPLM, TinyTransformer, TwoLayerMLP
 
-__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "transformer_case", "wide_transformer_case"]
+__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "normed_mlp_lm_case", "transformer_case", "wide_transformer_case"]
 
 # Optimizers as picklable partials (a case may travel to worker processes).
 OPTIMIZERS = {
@@ -105,3 +105,22 @@ def wide_transformer_case(optimizer: str = "adamw", **options: Any) -> Case:
     dropout = f"-dropout{options['dropout']}" if options.get("dropout") else ""
     name = options.pop("name", None) or f"transformer-wide-{optimizer}{dropout}"
     return transformer_case(optimizer, dim=32, heads=8, hidden=64, name=name, **options)
+
+
+def normed_mlp_lm_case(optimizer: str = "adamw", *, steps: int = 3, global_batch_size: int = 8, micro_batches: int = 1,
+                       seq_len: int = 8, seed: int = 0) -> Case:
+    """:class:`~cases.models.NormedMLPLM` (2 blocks, dim 16, MLP 32) on synthetic token
+    sequences: the model of the sequence-parallel examples."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    return Case(
+        name=f"normed-mlp-lm-{optimizer}",
+        model_factory=functools.partial(NormedMLPLM, 32, 16, 32, 2),
+        dataset=SyntheticTokens(64, seq_len, 32),
+        loss_fn=lm_loss,
+        optimizer_factory=OPTIMIZERS[optimizer],
+        global_batch_size=global_batch_size,
+        micro_batches=micro_batches,
+        steps=steps,
+        seed=seed,
+    )

@@ -61,7 +61,22 @@ def tiny_gpt2(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int 
     return GPT2LMHeadModel(config)
 
 
-HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+def tiny_qwen3(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 16) -> nn.Module:
+    """``Qwen3ForCausalLM`` with 2 layers, hidden 32: per-head RMSNorms on queries and keys
+    (``q_norm``, ``k_norm``, weights of size head_dim shared by every head), the parameters a
+    head-sharding tensor-parallel plan keeps replicated while their gradients come from sharded
+    heads (random init, no cache)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=seq, use_cache=False, attn_implementation="eager", tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen3": tiny_qwen3}
 
 
 def hf_lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:

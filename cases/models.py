@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Attention", "Block", "FeedForward", "TinyTransformer", "TwoLayerMLP"]
+__all__ = ["Attention", "Block", "FeedForward", "NormedMLPBlock", "NormedMLPLM", "TinyTransformer", "TwoLayerMLP"]
 
 
 class TwoLayerMLP(nn.Module):
@@ -126,3 +126,37 @@ class TinyTransformer(nn.Module):
         if self.head is not None:
             x = self.head(x)
         return x
+
+
+class NormedMLPBlock(nn.Module):
+    """``x + down(gelu(up(norm(x))))``: the block of a sequence-parallel layout, where the norm
+    runs on each rank's positions and ``up`` / ``down`` are column- / row-parallel."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class NormedMLPLM(nn.Module):
+    """Token embedding, pre-norm MLP blocks with residuals, a final norm and a head: a language
+    model without attention, small enough to shard by hand along the sequence (sequence
+    parallelism keeps the norms' and the row-parallel biases' parameters replicated while each
+    rank computes them on its own positions)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, hidden: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(NormedMLPBlock(dim, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

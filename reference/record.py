@@ -7,6 +7,9 @@ A record is a directory::
     steps/0000/grad/<name>.pt          full gradient just before the optimizer step
     steps/0000/param/<name>.pt         full parameter just after it
     steps/0000/optim/<param>.<key>.pt  full optimizer state just after it
+    steps/0000/aux/<key>.pt            evidence beside the compared state (parallel runs: the
+                                       differing copies of a replicated tensor, the random
+                                       generators' states before each draw); never compared
 
 Tensors are written with ``torch.save`` one file each and read back with
 ``torch.load(weights_only=True)``, so a reader holds one tensor at a time. A record is written
@@ -97,6 +100,8 @@ class StepRecord:
         default_factory=lambda: {kind: {} for kind in KINDS}
     )
     extra: dict[str, Any] = field(default_factory=dict)
+    # Auxiliary tensors by key: evidence for the diagnosis, outside the compared structure.
+    aux: dict[str, TensorInfo] = field(default_factory=dict)
 
     def names(self, kind: str) -> list[str]:
         _check_kind(kind)
@@ -116,6 +121,7 @@ class StepRecord:
             kind: {n: {**asdict(i), "shape": list(i.shape)} for n, i in entries.items()}
             for kind, entries in self.tensors.items()
         }
+        data["aux"] = {k: {**asdict(i), "shape": list(i.shape)} for k, i in self.aux.items()}
         return data
 
     @classmethod
@@ -140,6 +146,8 @@ class StepRecord:
                 for kind, entries in data.get("tensors", {}).items()
             },
             extra=dict(data.get("extra", {})),
+            aux={k: TensorInfo(shape=tuple(i["shape"]), dtype=i["dtype"], finite=i["finite"], file=i["file"])
+                 for k, i in data.get("aux", {}).items()},
         )
 
 
@@ -257,6 +265,13 @@ class Record:
         self._cache.put(info.file, value.clone())
         return value
 
+    def aux(self, step: int, key: str) -> torch.Tensor:
+        """One auxiliary tensor of ``step`` (see :meth:`RecordWriter.add_aux`)."""
+        info = self.step(step).aux.get(key)
+        if info is None:
+            raise RecordError(f"{self.path}: step {step} has no auxiliary tensor {key!r}")
+        return torch.load(self.path / info.file, map_location="cpu", weights_only=True)
+
     def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.step(step).names(kind):
             yield name, self.tensor(step, kind, name)
@@ -318,6 +333,26 @@ class RecordWriter:
         info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
         entries[name] = info
         self._written.put(info.file, data)
+        return info
+
+    def add_aux(self, step: int, key: str, tensor: torch.Tensor) -> TensorInfo:
+        """Save one auxiliary tensor of ``step`` under ``key``: evidence for the diagnosis (the
+        differing copies of a replicated tensor, a generator's state), not part of the record's
+        compared structure."""
+        if self._done:
+            raise RecordError(f"record {self.path} is already finished")
+        if not isinstance(tensor, torch.Tensor) or is_dtensor(tensor):
+            raise RecordError(f"auxiliary {key!r} at step {step}: a plain tensor is needed, got {type(tensor).__name__}")
+        entries = self.step(step).aux
+        if key in entries:
+            raise RecordError(f"auxiliary tensor {key!r} recorded twice at step {step}")
+        rel = Path("steps") / f"{step:04d}" / "aux" / _file_name(key)
+        (self._staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        torch.save(data, self._staging / rel)
+        finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
+        info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
+        entries[key] = info
         return info
 
     def checkpoint(self) -> None:

@@ -25,9 +25,11 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, Union
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -156,10 +158,26 @@ class TensorParallelStrategy(StrategyBase):
 
     name = "tp"
 
-    def __init__(self, plan: Plan | None = None):
+    def __init__(self, plan: Plan | None = None, *, sum_grads: Sequence[str] = ()):
         """``plan``: module names or fnmatch patterns -> ``ParallelStyle`` (or a function of the
-        model returning that); default :func:`tensor_parallel_plan` for the bundled models."""
+        model returning that); default :func:`tensor_parallel_plan` for the bundled models.
+
+        ``sum_grads``: fnmatch patterns of parameters the plan keeps replicated (plain tensors)
+        whose gradients come from activations sharded over tp - the per-head q/k norms of Qwen3
+        or OLMo under a head-sharding plan: each rank's gradient is a partial sum over its heads,
+        so they are all-reduced over the tensor-parallel group after backward."""
         self._plan = plan
+        self._sum_grads = tuple(sum_grads)
+
+    def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list) -> list:
+        losses = super().forward_backward(case, setup, micro_batches)
+        patterns = getattr(self, "_sum_grads", ())  # subclasses may not call __init__
+        if patterns:
+            group = setup.state["mesh"].get_group()
+            for name, param in setup.model.named_parameters():
+                if param.grad is not None and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    dist.all_reduce(param.grad, group=group)
+        return losses
 
     def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         """The plan applied (pass ``plan=`` or override to try another one)."""

@@ -25,6 +25,7 @@ How each pattern is recognised (evidence is measured, never assumed):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -163,14 +164,12 @@ class Analysis:
         coords = {r.get("mesh", {}).get(dim) for r in self.layouts if dim in r.get("mesh", {})}
         return len(coords) if coords else 1
 
-    def _across_replicas(self, mismatched: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
-        """The entries of ``mismatched`` (name -> groups of ranks that agree) where two ranks in
-        different groups are different data-parallel replicas at the same position otherwise
-        (same non-dp mesh coordinates and pipeline stages): evidence that replicas, not the
-        ranks of one replica, disagree. A rank without a recorded layout counts as a replica."""
+    @functools.cached_property
+    def _positions(self) -> dict[int, tuple[int, tuple[Any, ...], tuple[Any, ...]]]:
+        """rank -> (data-parallel replica, non-dp mesh coordinates, pipeline stages)."""
         from harness.parallel_dims import is_dp_dim
 
-        position = {
+        return {
             int(r.get("rank", i)): (
                 int(r.get("dp_rank", 0)),
                 tuple(sorted((k, v) for k, v in (r.get("mesh") or {}).items() if not is_dp_dim(k))),
@@ -178,6 +177,13 @@ class Analysis:
             )
             for i, r in enumerate(self.layouts)
         }
+
+    def _across_replicas(self, mismatched: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        """The entries of ``mismatched`` (name -> groups of ranks that agree) where two ranks in
+        different groups are different data-parallel replicas at the same position otherwise
+        (same non-dp mesh coordinates and pipeline stages): evidence that replicas, not the
+        ranks of one replica, disagree. A rank without a recorded layout counts as a replica."""
+        position = self._positions
 
         def replicas(a: int, b: int) -> bool:
             pa, pb = position.get(a), position.get(b)
@@ -188,6 +194,36 @@ class Analysis:
             if any(replicas(a, b) for gi, gj in itertools.combinations(groups, 2) for a in gi for b in gj)
         }
 
+    def _within_replica(self, mismatched: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        """The entries of ``mismatched`` whose copies differ between ranks of one data-parallel
+        replica and one pipeline stage (the tensor-parallel peers holding a replicated tensor)."""
+        position = self._positions
+
+        def peers(a: int, b: int) -> bool:
+            pa, pb = position.get(a), position.get(b)
+            return pa is not None and pb is not None and pa[0] == pb[0] and pa[2] == pb[2] and pa[1] != pb[1]
+
+        return {
+            name: groups for name, groups in mismatched.items()
+            if any(peers(a, b) for gi, gj in itertools.combinations(groups, 2) for a in gi for b in gj)
+        }
+
+    def _peer_copies(self, step: int, kind: str, name: str) -> list[tuple[list[int], dict[int, torch.Tensor]]]:
+        """Per data-parallel replica (and stage): its ranks and each rank's own copy of the
+        replicated ``name`` (from the differing copies the recorder kept; empty when it kept
+        none). Ranks listed in one agreeing group share that group's copy."""
+        index = self.act.step(step).extra.get("replica_copies", {}).get(kind, {}).get(name) or []
+        copy_of: dict[int, torch.Tensor] = {}
+        for piece in index:
+            tensor = self.act.aux(step, piece["aux"]).double()
+            for rank in piece["ranks"]:
+                copy_of[int(rank)] = tensor
+        replicas: dict[tuple[Any, ...], list[int]] = {}
+        for rank, pos in self._positions.items():
+            if rank in copy_of:
+                replicas.setdefault((pos[0], pos[2]), []).append(rank)
+        return [(sorted(ranks), {r: copy_of[r] for r in ranks}) for _, ranks in sorted(replicas.items()) if len(ranks) > 1]
+
     # -- entry -------------------------------------------------------------------------------
 
     def run(self) -> list[Diagnosis]:
@@ -196,8 +232,16 @@ class Analysis:
         found += self._structure()
         found += self._probe_findings(found)
         found += self._random_draws(found)
-        found += self._gradients(found)
-        found += self._replica_divergence(found)
+        # Copies of a replicated parameter that went apart before any gradient failed are the
+        # root: each rank computed its later gradients with its own weights.
+        early = self._replica_divergence(found)
+        grad_step = self._first_failing_step("grad")
+        if early and (grad_step is None or early[0].evidence.get("step", -1) < grad_step):
+            found += early
+        else:
+            # A gradient cause at or before the divergence explains the copies going apart.
+            causes = self._gradients(found)
+            found += causes or self._replica_divergence(found)
         if not self.cmp.passed and not found:
             found.append(self._numeric_mismatch())
         return _dedupe(found)
@@ -293,6 +337,12 @@ class Analysis:
             if all(_close(s, c) for s in scales):
                 out.append(self._scale_diagnosis(c, step, list(fits)))
                 return out
+        # Every failing gradient is a replicated one whose copies differ inside one replica
+        # (the tensor-parallel peers): partial sums nobody all-reduced, or copies gone apart.
+        inside = self._inside_replica_grads(step, failing_names)
+        if inside:
+            out.append(inside)
+            return out
         # Some gradients scaled by a common factor, the rest right: a scale on part of the model.
         scaled = [n for n in failing_names if n in const]
         if scaled and len(scaled) == len(failing_names):
@@ -318,6 +368,78 @@ class Analysis:
         if layout:
             out.append(layout)
         return out
+
+    def _peer_dims(self) -> list[str]:
+        """The mesh dims along which the ranks of one replica differ (``["tp"]`` under TP)."""
+        dims = sorted({k for pos in self._positions.values() for k, _ in pos[1]})
+        return dims or ["tp"]
+
+    def _inside_replica_grads(self, step: int, names: list[str]) -> Diagnosis | None:
+        """Every failing gradient is of a tensor the layout keeps replicated inside a replica,
+        and its copies differ between the replica's ranks. When each rank's copy is off and
+        their sum over the replica's ranks is the reference's, the gradient was computed from
+        sharded activations and never all-reduced over the tensor-parallel group:
+        ``missing-grad-sync`` along that group. Otherwise the copies went apart (something done
+        on some ranks only): ``replica-divergence`` inside the group."""
+        within = self._within_replica(self.act.step(step).extra.get("replica_mismatch", {}).get("grad", {}))
+        if not names or any(n not in within for n in names):
+            return None
+        dims = "/".join(self._peer_dims())
+        summed: dict[str, Any] = {}
+        apart: dict[str, Any] = {}
+        for name in names:
+            replicas = self._peer_copies(step, "grad", name)
+            try:
+                tol = self.cmp.get(step, "grad", name).tolerance
+            except KeyError:
+                return None
+            if not replicas:
+                return None
+            e = self.ref.tensor(step, "grad", name).double()
+            allowed_one = tol.atol + tol.rtol * e.abs()
+            sums, per_replica = True, []
+            for ranks, copies in replicas:
+                total = torch.stack(list(copies.values())).sum(0)
+                # The sum carries the rounding of every copy: n times one tensor's tolerance.
+                sum_ok = bool(((total - e).abs() <= len(copies) * allowed_one).all())
+                each_off = all(not bool(((c - e).abs() <= allowed_one).all()) for c in copies.values())
+                sums &= sum_ok and each_off
+                per_replica.append({
+                    "ranks": ranks,
+                    "factor_per_rank": {str(r): _fit(c, e)[0] for r, c in copies.items()},
+                    "matches_reference": [r for r, c in copies.items() if bool(((c - e).abs() <= allowed_one).all())],
+                    "sum_max_abs_error": float((total - e).abs().max()) if e.numel() else 0.0,
+                })
+            (summed if sums else apart)[name] = per_replica
+        if summed and not apart:
+            listed = sorted(summed)
+            ranks = summed[listed[0]][0]["ranks"]
+            return Diagnosis(
+                "missing-grad-sync",
+                f"{len(listed)} of the gradients of parameters the layout keeps replicated differ between the {dims} ranks "
+                f"{ranks} of one replica at step {step} and sum over them to the reference's: "
+                + ", ".join(listed[:4]) + (" ..." if len(listed) > 4 else "") + f" - never all-reduced over the {dims} group",
+                {"step": step, "group": dims, "params": {n: summed[n] for n in listed}, "sums_to_reference": True,
+                 "likely_source": f"a parameter replicated over {dims} gets its gradient from activations sharded over {dims} "
+                                  "(per-head q/k norms, norms and biases under sequence parallelism): each rank holds a partial "
+                                  f"gradient that must be all-reduced over the {dims} group (or the parameter made a DTensor "
+                                  "that DTensor reduces)"},
+            )
+        listed = sorted(apart or summed)
+        if not apart:
+            return None
+        first = apart[listed[0]][0]
+        right = first["matches_reference"]
+        return Diagnosis(
+            "replica-divergence",
+            f"the copies of {len(listed)} replicated gradient(s) differ between the {dims} ranks {first['ranks']} of one replica "
+            f"at step {step}: " + ", ".join(listed[:4])
+            + (f" (rank(s) {right} match the reference; factors per rank {_factors(first['factor_per_rank'])})" if right
+               else f" (factors per rank {_factors(first['factor_per_rank'])})"),
+            {"step": step, "group": dims, "kind": "grad", "params": {n: apart[n] for n in listed},
+             "likely_source": f"a change to gradients of replicated parameters made on some {dims} ranks only (clipping or scaling "
+                              "on one rank, an optimizer or hook applied per rank)"},
+        )
 
     def _fit_tensor(self, step: int, kind: str, name: str) -> tuple[float | None, float]:
         return _fit(self.act.tensor(step, kind, name), self.ref.tensor(step, kind, name))
@@ -347,6 +469,15 @@ class Analysis:
         if n_dp > 1 and _close(c, n_dp):
             evidence["likely_source"] = f"gradients summed over {n_dp} replicas and never divided"
             return Diagnosis("grad-not-averaged", f"{which} {'is' if which == 'every gradient' else 'are'} {n_dp} x the reference's ({_fmt(c)}): summed over replicas, never averaged", evidence)
+        sharded = set(self.act.step(step).extra.get("sharding", {}))
+        if tp > 1 and total is not None and len(params) < total and _close(c, tp) and not sharded & set(params):
+            # Only parameters the tensor-parallel layout keeps whole are scaled, by tp: their
+            # gradients were complete on every rank and got summed over the group once more.
+            evidence["likely_source"] = (f"the gradients of parameters replicated over tp (complete on every tensor-parallel rank) "
+                                         f"were all-reduced again over the tensor-parallel group of size {tp}")
+            evidence["candidates"] = [evidence["likely_source"]]
+            return Diagnosis("grad-scaled", f"{which} are {_fmt(c)} x the reference's: likely summed over the {tp} "
+                             "tensor-parallel ranks although already complete", evidence)
         sources = []
         for label, value in (("micro-batches / accumulation steps", m), ("tensor-parallel size", tp), ("pipeline stages", stages),
                              ("world size", self.world), ("data-parallel size", n_dp)):
@@ -480,10 +611,11 @@ class Analysis:
     # -- replicas ----------------------------------------------------------------------------
 
     def _replica_divergence(self, found: list[Diagnosis]) -> list[Diagnosis]:
-        if any(d.code == "missing-grad-sync" or d.code in _ROOT_CODES for d in found):
+        if any(d.code in ("missing-grad-sync", "replica-divergence") or d.code in _ROOT_CODES for d in found):
             return []
         for s in self.act.steps:
-            params = self._across_replicas(s.extra.get("replica_mismatch", {}).get("param", {}))
+            mismatched = s.extra.get("replica_mismatch", {}).get("param", {})
+            params = self._across_replicas(mismatched)
             if params:
                 names = sorted(params)
                 return [
@@ -493,7 +625,41 @@ class Analysis:
                         {"step": s.step, "params": {n: params[n] for n in names}, "groups_note": "ranks listed together agree"},
                     )
                 ]
+            inside = self._apart_inside_replica(s.step, mismatched)
+            if inside is not None:
+                return [inside]
         return []
+
+    def _apart_inside_replica(self, step: int, mismatched: dict[str, list[list[int]]]) -> Diagnosis | None:
+        """Parameters the layout keeps replicated inside a replica whose copies on the replica's
+        ranks differ after ``step`` by more than an update's rounding (the per-dtype parameter
+        tolerance): they drift apart, and each rank then computes with its own weights."""
+        from harness.analysis.tolerance import DefaultTolerances
+
+        dims = "/".join(self._peer_dims())
+        apart: dict[str, Any] = {}
+        for name, groups in sorted(self._within_replica(mismatched).items()):
+            for ranks, copies in self._peer_copies(step, "param", name):
+                values = list(copies.values())
+                scale = max(float(v.abs().max()) for v in values) if values[0].numel() else 0.0
+                tol = DefaultTolerances().for_tensor(step, "param", name, _torch_dtype(self.dtype), scale)
+                worst = max(float((a - b).abs().max()) for a, b in itertools.combinations(values, 2))
+                if worst > tol.atol + tol.rtol * scale:
+                    apart[name] = {"ranks": ranks, "groups": groups, "max_abs_difference": worst, "scale": scale}
+                    break
+        if not apart:
+            return None
+        names = sorted(apart)
+        first = apart[names[0]]
+        return Diagnosis(
+            "replica-divergence",
+            f"{len(names)} parameter(s) the layout keeps replicated differ between the {dims} ranks {first['ranks']} of one "
+            f"replica after step {step}: " + ", ".join(names[:4])
+            + f" (largest difference {first['max_abs_difference']:.3g} on values up to {first['scale']:.3g})",
+            {"step": step, "group": dims, "kind": "param", "params": apart, "groups_note": "ranks listed together agree",
+             "likely_source": f"an update applied on some {dims} ranks only (gradient clipping, an optimizer step or a weight "
+                              "change on one rank), so the copies each rank computes with drift apart"},
+        )
 
     # -- random draws ------------------------------------------------------------------------
 
@@ -551,6 +717,14 @@ class Analysis:
                 ],
             },
         )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name, torch.float32)
+
+
+def _factors(per_rank: dict[str, float | None]) -> str:
+    return ", ".join(f"rank {r} x {_fmt(c)}" if c is not None else f"rank {r} zero" for r, c in per_rank.items())
 
 
 def _plain(value: Any) -> Any:

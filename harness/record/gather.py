@@ -270,7 +270,10 @@ def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
     ``group``: the ranks that must take part in assembling the full tensor; ``key``: ranks
     whose local data must be identical share a key (None: no such promise, e.g. Partial)."""
     t = entry.tensor
-    info: dict[str, Any] = {"stage": entry.stage, "dtype": str(t.dtype), "shape": list(t.shape), "digest": None}
+    # "whole": this rank's local data is the full tensor (a plain replicated tensor, or a DTensor
+    # replicated on every mesh dim), so a copy that differs can be sent as it is (gather_copies).
+    info: dict[str, Any] = {"stage": entry.stage, "dtype": str(t.dtype), "shape": list(t.shape), "digest": None,
+                            "whole": False}
     local = t
     if is_dtensor(t):
         mesh = t.device_mesh
@@ -284,6 +287,7 @@ def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
             group=sorted(mesh.mesh.flatten().tolist()),
             key=None if partial else repr(("dtensor", key, [str(p) for p in t.placements])),
             shards=[[p.dim, mesh.size(i)] for i, p in enumerate(t.placements) if p.is_shard() and mesh.size(i) > 1],
+            whole=all(p.is_replicate() for p in t.placements),
         )
     elif entry.spec is not None:
         pg = entry.spec.process_group()
@@ -296,7 +300,7 @@ def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
             shards=[[entry.spec.dim, len(ranks)]] if len(ranks) > 1 else [],
         )
     else:
-        info.update(layout="plain", group=[dist.get_rank()], key=repr(("full",)))
+        info.update(layout="plain", group=[dist.get_rank()], key=repr(("full",)), whole=True)
     if check_replicas and info["key"] is not None:
         info["digest"] = tensor_digest(local)
     return info
@@ -495,6 +499,33 @@ class GatheredTensors:
 
     def _source(self, e: _Entry) -> int:
         return self.dst if self.dst in e.holders else min(e.holders)
+
+    def gather_copies(self) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+        """Collective: the differing copies of every replicated entry whose replicas disagree
+        (``replica_mismatches``), one per group of agreeing ranks, sent to ``dst``: name ->
+        ``[(ranks, tensor), ...]`` there, empty elsewhere. Only entries whose local data is the
+        whole tensor are sent; the diagnosis weighs the copies (do they sum to the reference
+        over a tensor-parallel group? do they differ by more than rounding?)."""
+        out: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+        for name, groups in self.replica_mismatches.items():
+            e = self._entries[name]
+            if not all(info.get("whole") for info in e.holders.values()):
+                continue
+            for ranks in groups:
+                src = min(ranks)
+                copy: torch.Tensor | None = None
+                if self._rank == src:
+                    local = self._local[name].tensor
+                    copy = (local.to_local() if is_dtensor(local) else local).detach().contiguous()
+                    if src != self.dst:
+                        dist.send(copy, dst=self.dst)
+                elif self._rank == self.dst:
+                    info = e.holders[src]
+                    copy = torch.empty(info["shape"], dtype=_dtype(info["dtype"]), device=_comm_device())
+                    dist.recv(copy, src=src)
+                if self._rank == self.dst and copy is not None:
+                    out.setdefault(name, []).append((list(ranks), copy.detach().cpu().clone()))
+        return out
 
     def __len__(self) -> int:
         return len(self.names)

@@ -192,6 +192,15 @@ class RankRecorder:
             self.writer.step(step).extra["sharding"] = sharding
         if self.writer is not None and gathered.replica_mismatches:
             self.writer.step(step).extra.setdefault("replica_mismatch", {})[kind] = gathered.replica_mismatches
+        copies = gathered.gather_copies() if kind in ("grad", "param") else {}
+        if self.writer is not None and copies:
+            index = self.writer.step(step).extra.setdefault("replica_copies", {}).setdefault(kind, {})
+            for name, pieces in copies.items():
+                index[name] = []
+                for ranks, tensor in pieces:
+                    key = f"{kind}:{name}@" + "-".join(str(r) for r in ranks)
+                    self.writer.add_aux(step, key, tensor)
+                    index[name].append({"ranks": ranks, "aux": key})
 
     def _record_step_info(self, step: int) -> None:
         names = {}
