@@ -81,3 +81,14 @@ def test_the_readme_tp_and_pp_custom_loops_pass_and_an_unscaled_pipeline_loss_is
     bug = _diagnose(str(unscaled), rank_runner, reference_cache, tmp_path / "bug")
     assert bug.codes == ["pp-loss-scaling"], bug.verdict.to_dict()
     assert abs(bug.verdict.diagnoses[0].evidence["factor"] - 2.0) < 1e-3
+
+
+def test_a_row_parallel_matmul_inline_in_the_models_forward_is_a_partial_sum(rank_runner, reference_cache, tmp_path) -> None:
+    """The partial sums are formed in the root module's own forward, with no submodule to show
+    them: the probe compares the model's output, which sums over the TP ranks to the reference."""
+    path = LOOPS / "tp_inline_row_parallel.py"
+    bug = _diagnose(str(path), rank_runner, reference_cache, tmp_path / "bug")
+    assert bug.codes == ["tp-partial-sum"], bug.verdict.to_dict()
+    assert "the model's own forward" in bug.verdict.diagnoses[0].summary
+    ok = _diagnose(f"{path}:correct", rank_runner, reference_cache, tmp_path / "ok")
+    assert ok.verdict.verdict == "pass", ok.verdict.to_dict()

@@ -91,6 +91,15 @@ def test_bugs_in_hf_models_are_named_with_their_code(dist_ctx, tmp_path, referen
     assert (verdict, codes) == ("fail", [code]), f"{full}\n{summary}"
 
 
+@pytest.mark.distributed(nproc=2)
+def test_a_partial_sum_is_named_when_the_model_returns_its_own_loss(dist_ctx, tmp_path, reference_cache) -> None:
+    """With ``labels`` the model's output starts with the scalar loss, near log(vocab) at
+    initialisation whatever the logits: the probe reads the logits instead."""
+    case = hf_case("llama", steps=2, model_loss=True)
+    verdict, codes, summary, full = _diagnose(case, LlamaDownProjPartialSum(), dist_ctx, tmp_path, reference_cache)
+    assert (verdict, codes) == ("fail", ["tp-partial-sum"]), f"{full}\n{summary}"
+
+
 def test_fsdp_units_are_the_repeated_decoder_layers() -> None:
     for model_name, path, cls in (("llama", "model.layers", "LlamaDecoderLayer"), ("gpt2", "transformer.h", "GPT2Block")):
         model = hf_case(model_name).build_model()

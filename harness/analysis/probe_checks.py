@@ -144,7 +144,9 @@ def analyze_probe(data: ProbeData | None, case: Case) -> list[Diagnosis]:
             continue  # the model's output is right on every rank: whatever is partial inside gets reduced later
         for name in order:
             caps = [m["captures"].get(name) for m in members]
-            if name == OUTPUT or name not in ref or any(c is None for c in caps) or caps[0].p:
+            # The model's own output comes last: a row-parallel matmul written inline in the
+            # model's forward (no submodule of its own) shows there and nowhere before.
+            if name not in ref or any(c is None for c in caps) or caps[0].p:
                 continue
             expected = ref[name]
             locals_ = [c.output for c in caps]
@@ -153,10 +155,11 @@ def analyze_probe(data: ProbeData | None, case: Case) -> list[Diagnosis]:
             if all(_close(t, expected) for t in locals_):
                 continue
             if _partial_sum(locals_, expected):
+                where = "the model's own forward (its output)" if name == OUTPUT else f"module {name!r}"
                 out.append(
                     Diagnosis(
                         "tp-partial-sum",
-                        f"module {name!r}: each tensor-parallel rank's output is a partial sum; summed over ranks {group} it gives the reference's",
+                        f"{where}: each tensor-parallel rank's output is a partial sum; summed over ranks {group} it gives the reference's",
                         {"module": name, "ranks": group, "module_type": caps[0].module_type,
                          "max_abs_error_per_rank": [float((t - expected).abs().max()) for t in locals_],
                          "likely_source": "a row-parallel layer's output used without its all-reduce over the tensor-parallel group"},

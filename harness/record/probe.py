@@ -37,20 +37,27 @@ __all__ = ["OUTPUT", "ActivationProbe", "ProbeData", "ProbedStrategy", "collect_
 OUTPUT = "<output>"  # capture name of the whole model's output
 
 
-def first_tensor(value: Any, depth: int = 0) -> Any:
-    """The first tensor in a module's output: the tensor itself, or depth first through
-    tuples, lists and mappings (a Hugging Face ``ModelOutput`` is an ordered mapping whose
-    first tensor is ``loss`` when labels were given, else ``logits``); None when there is none."""
+def _tensors_depth_first(value: Any, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
-        return value
-    if depth > 4:
-        return None
-    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
-    for item in items:
-        found = first_tensor(item, depth + 1)
-        if found is not None:
-            return found
-    return None
+        yield value
+    elif depth <= 4:
+        items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+        for item in items:
+            yield from _tensors_depth_first(item, depth + 1)
+
+
+def first_tensor(value: Any) -> Any:
+    """The activation a module's output carries: its first tensor with more than one element,
+    depth first through tuples, lists and mappings, else its first tensor; None when there is
+    none. A Hugging Face ``ModelOutput`` given labels starts with the scalar ``loss``, which at
+    initialisation is near log(vocab) whatever the logits are, so it would hide a wrong
+    forward: its ``logits`` are taken instead."""
+    first = None
+    for t in _tensors_depth_first(value):
+        if t.numel() > 1:
+            return t
+        first = t if first is None else first
+    return first
 
 
 @dataclass

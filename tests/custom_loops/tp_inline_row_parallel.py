@@ -1,0 +1,61 @@
+"""Hand-written TP MLP whose row-parallel matmul is written inline in the model's own forward
+(no submodule of its own); the bug uses its partial sums without the all-reduce."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cases.catalog import mlp_case
+from harness.parallel_dims import ParallelDims
+
+CASE = mlp_case("adamw", steps=2)
+NPROC = 2
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Sharded(nn.Module):
+    def __init__(self, full, rank, world, reduce):
+        super().__init__()
+        n = full.fc1.out_features // world
+        self.fc1 = nn.Linear(full.fc1.in_features, n)
+        with torch.no_grad():
+            self.fc1.weight.copy_(full.fc1.weight[rank * n:(rank + 1) * n]); self.fc1.bias.copy_(full.fc1.bias[rank * n:(rank + 1) * n])
+        self.w2 = nn.Parameter(full.fc2.weight[:, rank * n:(rank + 1) * n].detach().clone())
+        self.b2 = full.fc2.bias
+        self.reduce = reduce
+
+    def forward(self, x):
+        partial = F.linear(torch.relu(self.fc1(x)), self.w2)
+        return (_Reduce.apply(partial) if self.reduce else partial) + self.b2  # BUG unless reduce
+
+
+def train(ctx, run, reduce=False):
+    model = Sharded(CASE.build_model(ctx.device), ctx.rank, ctx.world_size, reduce)
+    g = dist.group.WORLD
+    run.shard(model.fc1.weight, 0, group=g); run.shard(model.fc1.bias, 0, group=g); run.shard(model.w2, 1, group=g)
+    optimizer = CASE.build_optimizer(model.parameters())
+    run.watch(model, optimizer, ParallelDims(tp=ctx.world_size).layout(ctx.rank), names={"w2": "fc2.weight", "b2": "fc2.bias"})
+    for step in range(run.steps):
+        for batch in run.batches(step):
+            loss = CASE.forward_loss(model, batch)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss if run.layout.holds_loss else None, batch.ids)
+        run.before_step(step)
+        optimizer.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+
+
+def correct(ctx, run):
+    train(ctx, run, reduce=True)
