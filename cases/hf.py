@@ -76,7 +76,26 @@ def tiny_qwen3(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int
     return Qwen3ForCausalLM(config)
 
 
-HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen3": tiny_qwen3}
+def tiny_qwen2_moe(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, experts: int = 4, seq: int = 16,
+                   router_loss: bool = False) -> nn.Module:
+    """``Qwen2MoeForCausalLM`` with 2 layers of 4 experts (top-2) and a shared expert; its experts
+    run ``torch._grouped_mm``, which has no float64 kernel. ``router_loss``: the model's loss adds
+    the load-balancing loss of the router (``output_router_logits``, coefficient 0.01), a
+    statistic of the tokens of each forward (random init, no cache)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, num_experts=experts, num_experts_per_tok=2, max_position_embeddings=seq,
+        use_cache=False, output_router_logits=router_loss, router_aux_loss_coef=0.01, attn_implementation="eager",
+        tie_word_embeddings=False,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen3": tiny_qwen3, "qwen2-moe": tiny_qwen2_moe,
+             "qwen2-moe-router-loss": functools.partial(tiny_qwen2_moe, router_loss=True)}
 
 
 def hf_lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:

@@ -224,12 +224,26 @@ def compare_to_reference(
     trajectory against the reference's, step by step, as the verdict."""
     check_comparison_mode(comparison)
     reference = cached_reference(case, cache=cache)
+    notes: list[str] = []
+
+    def policy_for(stepwise: bool) -> TolerancePolicy:
+        try:
+            return resolve_tolerance(tolerance, case, reference, cache=cache, stepwise=stepwise)
+        except RunError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the harness's own replay: never the user's error
+            notes.append(f"harness: the calibration replays failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                         "the per-dtype default tolerances were used instead")
+            return DefaultTolerances()
+
     if comparison == "trajectory":
-        policy = resolve_tolerance(tolerance, case, reference, cache=cache, stepwise=False)
-        return compare(reference, record, policy, label=label)
-    policy = resolve_tolerance(tolerance, case, reference, cache=cache, stepwise=True)
+        result = compare(reference, record, policy_for(False), label=label)
+        result.notes += notes
+        return result
+    policy = policy_for(True)
     stepwise = replay_reference(case, record, replay_path(record.path))
     result = compare(stepwise, record, policy, label=label)
+    result.notes += notes
     result.mode = "stepwise"
     # The same tolerances as the verdict's: the view says where the trajectory leaves one
     # step's noise, which a correct run may well do.

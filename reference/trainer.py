@@ -184,7 +184,22 @@ class _Training:
         self.record_update(step, rec)
 
     def forward_backward(self, step: int, rec: Any) -> None:
-        """Forward and backward over the step's micro-batches; records losses and sample ids."""
+        """Forward and backward over the step's micro-batches; records losses and sample ids.
+        An upcast variant runs under :class:`~reference.upcast.UpcastFallback`: an op with no
+        kernel for the wider dtype runs in the case dtype, and the record lists it
+        (``meta["upcast_fallback"]``)."""
+        if self.variant.upcast is None:
+            self._forward_backward(step, rec)
+            return
+        from .upcast import UpcastFallback
+
+        with UpcastFallback(self.variant.upcast, self.case.dtype) as mode:
+            self._forward_backward(step, rec)
+        if mode.fell_back:
+            known = set(self.writer.meta.get("upcast_fallback", []))
+            self.writer.meta["upcast_fallback"] = sorted(known | mode.fell_back)
+
+    def _forward_backward(self, step: int, rec: Any) -> None:
         case = self.case
         pieces: list[tuple[float, int]] = []
         for indices in micro_batch_indices(self.schedule, step):

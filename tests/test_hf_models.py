@@ -134,3 +134,12 @@ def test_a_plan_with_patterns_expands_and_a_typo_is_named() -> None:
     assert len(plan) == 14 and "model.layers.1.mlp.gate_proj" in plan and "model.layers.0.self_attn.v_proj" in plan
     with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.dwn_proj' matches no module .*model.layers.0.mlp.down_proj"):
         expand_plan(model, {"model.layers.*.mlp.dwn_proj": RowwiseParallel()})
+
+
+@pytest.mark.distributed(nproc=2)
+def test_an_moe_whose_experts_have_no_float64_kernel_calibrates_and_passes(dist_ctx, tmp_path, reference_cache) -> None:
+    """Qwen2-MoE's experts run ``torch._grouped_mm``, which has no float64 kernel: the float64
+    calibration rerun runs that op in float32 and says so, and the correct DDP run passes."""
+    verdict, codes, summary, _ = _diagnose(hf_case("qwen2-moe", steps=2), DDPStrategy(), dist_ctx, tmp_path, reference_cache)
+    assert (verdict, codes) == ("pass", []), summary
+    assert "ops without a float64 kernel ran in float32: _grouped_mm" in summary, summary

@@ -284,3 +284,71 @@ def test_the_cache_key_covers_dict_samples() -> None:
     case = mlp_case(global_batch_size=4, steps=1)
     assert case_fingerprint(case.replace(dataset=Dicts(0))) == case_fingerprint(case.replace(dataset=Dicts(0)))
     assert case_fingerprint(case.replace(dataset=Dicts(0))) != case_fingerprint(case.replace(dataset=Dicts(1)))
+
+
+class _NoFloat64Matmul(torch.nn.Module):
+    """A linear layer whose matmul, like ``torch._grouped_mm``, has no float64 kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 8) / 8**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _no_f64_mm(x, self.weight)
+
+
+def _no_f64_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.harness_test.no_f64_mm(x, w)
+
+
+def _register_no_f64_mm() -> None:
+    """A custom op with a float32 kernel only (what _grouped_mm is on CPU, where it also needs
+    16-byte aligned strides), differentiable, so the fallback is exercised forward and backward."""
+    if hasattr(torch.ops, "harness_test") and hasattr(torch.ops.harness_test, "no_f64_mm"):
+        return
+
+    @torch.library.custom_op("harness_test::no_f64_mm", mutates_args=())
+    def no_f64_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64 or w.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return x @ w.t()
+
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return no_f64_mm(g, w.t().contiguous()), no_f64_mm(g.t().contiguous(), x.t().contiguous())
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    no_f64_mm.register_autograd(backward, setup_context=setup)
+
+
+def test_the_float64_rerun_runs_ops_without_a_float64_kernel_in_the_case_dtype(tmp_path) -> None:
+    """An MoE's grouped matmul has no float64 kernel: the calibration's float64 rerun runs that
+    op in float32 (forward and backward), everything else in float64, and its record lists it."""
+    from reference import Case, ReferenceVariant, train_reference
+    from reference.upcast import UpcastFallback
+
+    _register_no_f64_mm()
+    with pytest.raises(RuntimeError, match="got Double"):
+        _no_f64_mm(torch.ones(2, 8, dtype=torch.float64), torch.ones(4, 8, dtype=torch.float64))
+    case = Case("no-f64-kernel", _NoFloat64Matmul, SyntheticRegression(16, 8, 4), F.mse_loss,
+                functools.partial(torch.optim.SGD, lr=0.1), global_batch_size=8, steps=2)
+    plain = train_reference(case, tmp_path / "f32")
+    upcast = train_reference(case, tmp_path / "f64", variant=ReferenceVariant(upcast=torch.float64))
+    assert upcast.meta["upcast_fallback"] == ["no_f64_mm"] and "upcast_fallback" not in plain.meta
+    for step in range(2):
+        a, b = upcast.tensor(step, "grad", "weight"), plain.tensor(step, "grad", "weight")
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b.double(), rtol=1e-5, atol=1e-6)
+    # An op that writes into its argument writes through to the float64 original.
+    if not hasattr(torch.ops.harness_test, "no_f64_fill_"):
+        @torch.library.custom_op("harness_test::no_f64_fill_", mutates_args=("x",))
+        def no_f64_fill_(x: torch.Tensor) -> None:
+            if x.dtype == torch.float64:
+                raise RuntimeError("no float64 kernel")
+            x.fill_(1.5)
+    x = torch.zeros(3, dtype=torch.float64)
+    with UpcastFallback(torch.float64, torch.float32) as mode:
+        torch.ops.harness_test.no_f64_fill_(x)
+    assert x.tolist() == [1.5, 1.5, 1.5] and x.dtype == torch.float64 and mode.fell_back == {"no_f64_fill_"}

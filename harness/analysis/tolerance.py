@@ -280,6 +280,7 @@ def calibrate(
     measured (the noise of one step, for the same-start comparison)."""
     variants = list(variants) if variants is not None else calibration_variants(case)
     noise: dict[tuple[int, str, str], tuple[float, float]] = {}
+    labels = []
     for variant in variants:
         same_micro = variant.micro_batches in (None, case.micro_batches)
         if stepwise:
@@ -288,7 +289,11 @@ def calibrate(
         else:
             other = cached_reference(case, cache=cache, device=device, variant=variant)
             _measure(reference, other, same_micro, noise)
-    labels = [_variant_label(v) + (", one step from the reference's state" if stepwise else "") for v in variants]
+        label = _variant_label(variant) + (", one step from the reference's state" if stepwise else "")
+        if other.meta.get("upcast_fallback"):
+            label += (f" (ops without a {str(variant.upcast).removeprefix('torch.')} kernel ran in "
+                      f"{str(case.dtype).removeprefix('torch.')}: {', '.join(other.meta['upcast_fallback'])})")
+        labels.append(label)
     return CalibratedTolerances(noise, labels, safety, stepwise=stepwise)
 
 
