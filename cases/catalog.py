@@ -10,10 +10,13 @@ import torch.nn.functional as F
 
 from reference.case import Case
 
-from .data import SyntheticRegression, SyntheticTokens
+from .data import MaskedTokens, SyntheticRegression, SyntheticTokens
 from .models import NormedMLPLM, TinyTransformer, TwoLayerMLP
 
-__all__ = ["OPTIMIZERS", "lm_loss", "mlp_case", "normed_mlp_lm_case", "transformer_case", "wide_transformer_case"]
+__all__ = [
+    "OPTIMIZERS", "lm_loss", "masked_lm_case", "masked_lm_loss", "mlp_case", "normed_mlp_lm_case", "transformer_case",
+    "valid_tokens", "wide_transformer_case",
+]
 
 # Optimizers as picklable partials (a case may travel to worker processes).
 OPTIMIZERS = {
@@ -123,4 +126,47 @@ def normed_mlp_lm_case(optimizer: str = "adamw", *, steps: int = 3, global_batch
         micro_batches=micro_batches,
         steps=steps,
         seed=seed,
+    )
+
+
+def masked_lm_loss(logits: torch.Tensor, targets: dict) -> torch.Tensor:
+    """Next-token cross entropy averaged over the valid (unmasked) positions of the batch it is
+    given: ``sum(ce * mask) / mask.sum()``, the masked loss of padded batches (Hugging Face's
+    loss with ``-100`` labels computes the same)."""
+    ce = F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)),
+                         targets["labels"].flatten(), reduction="none")
+    mask = targets["mask"].flatten().to(ce.dtype)
+    return (ce * mask).sum() / mask.sum()
+
+
+def valid_tokens(batch: Any) -> torch.Tensor:
+    """The number of valid positions in a batch of :class:`~cases.data.MaskedTokens`: what
+    :func:`masked_lm_loss` is a mean over."""
+    return batch.targets["mask"].sum()
+
+
+def masked_lm_case(
+    optimizer: str = "adamw", *, steps: int = 2, global_batch_size: int = 8, micro_batches: int = 1,
+    normalised: bool = False, per_replica: tuple[str, ...] = (), seed: int = 0,
+) -> Case:
+    """A 2-layer tiny transformer with :func:`masked_lm_loss` on :class:`~cases.data.MaskedTokens`.
+    ``normalised``: the step's loss is the mean over *all* its valid tokens (``loss_normaliser``
+    = :func:`valid_tokens`), else each micro-batch's masked mean weighted by its samples (the
+    loss normalised per micro-batch). ``per_replica``: declared per-replica statistics."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    name = f"masked-lm-{optimizer}-m{micro_batches}" + ("-token-normalised" if normalised else "") + (
+        "-per-replica" if per_replica else "")
+    return Case(
+        name=name,
+        model_factory=functools.partial(TinyTransformer, vocab=32, dim=16, heads=4, hidden=32, layers=2, max_seq_len=16),
+        dataset=MaskedTokens(64, 8, 32),
+        loss_fn=masked_lm_loss,
+        optimizer_factory=OPTIMIZERS[optimizer],
+        global_batch_size=global_batch_size,
+        micro_batches=micro_batches,
+        steps=steps,
+        seed=seed,
+        loss_normaliser=valid_tokens if normalised else None,
+        per_replica=per_replica,
     )

@@ -11,7 +11,7 @@ import torch
 
 from reference.case import Sample
 
-__all__ = ["SyntheticRegression", "SyntheticTokens"]
+__all__ = ["MaskedTokens", "SyntheticRegression", "SyntheticTokens"]
 
 
 class SyntheticRegression:
@@ -82,3 +82,23 @@ class SyntheticTokens:
         index = index % len(self)
         row = self.tokens[index]
         return Sample(id=self.id_offset + index, input=row[:-1], target=row[1:])
+
+
+class MaskedTokens:
+    """:class:`SyntheticTokens` with a loss mask: each sequence is valid up to a length of its
+    own (2 to seq_len positions, drawn once), the rest is padding the loss ignores. Targets are
+    ``{"labels", "mask"}``; samples hold different numbers of valid tokens, so a loss normalised
+    by the valid count depends on which samples share a batch."""
+
+    def __init__(self, num_samples: int = 64, seq_len: int = 8, vocab: int = 32, *, seed: int = 99, id_offset: int = 7000):
+        self.tokens = SyntheticTokens(num_samples, seq_len, vocab, id_offset=id_offset)
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, seq_len + 1, (num_samples, 1), generator=g)
+        self.mask = torch.arange(seq_len).unsqueeze(0) < lengths
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> Sample:
+        sample = self.tokens[index]
+        return Sample(id=sample.id, input=sample.input, target={"labels": sample.target, "mask": self.mask[index % len(self)]})

@@ -132,15 +132,17 @@ def hf_case(
     micro_batches: int = 1,
     seq_len: int = 8,
     model_loss: bool = False,
+    per_replica: tuple[str, ...] = (),
 ) -> Case:
     """A tiny Hugging Face causal LM (``"llama"`` or ``"gpt2"``) on synthetic tokens.
     ``model_loss``: dict batches (:class:`LabelledTokens`) and the loss the model computes from
-    its ``labels`` (``loss_fn=None``), as Hugging Face training code does."""
+    its ``labels`` (``loss_fn=None``), as Hugging Face training code does. ``per_replica``: the
+    case's declared per-replica statistics (``("loss",)`` for a router's load-balancing loss)."""
     if model not in HF_MODELS:
         raise ValueError(f"unknown Hugging Face model {model!r}; allowed: {', '.join(HF_MODELS)}")
     suffix = f"-{str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else ""
     return Case(
-        name=f"hf-{model}-{optimizer}{suffix}" + ("-model-loss" if model_loss else ""),
+        name=f"hf-{model}-{optimizer}{suffix}" + ("-model-loss" if model_loss else "") + ("-per-replica" if per_replica else ""),
         model_factory=functools.partial(HF_MODELS[model]),
         dataset=LabelledTokens(64, seq_len, 32) if model_loss else SyntheticTokens(64, seq_len, 32),
         loss_fn=None if model_loss else hf_lm_loss,
@@ -149,6 +151,7 @@ def hf_case(
         micro_batches=micro_batches,
         steps=steps,
         dtype=dtype,
+        per_replica=per_replica,
     )
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Attention", "Block", "FeedForward", "NormedMLPBlock", "NormedMLPLM", "TinyTransformer", "TwoLayerMLP"]
+__all__ = ["Attention", "BatchNormMLP", "Block", "FeedForward", "NormedMLPBlock", "NormedMLPLM", "TinyTransformer", "TwoLayerMLP"]
 
 
 class TwoLayerMLP(nn.Module):
@@ -160,3 +160,17 @@ class NormedMLPLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class BatchNormMLP(nn.Module):
+    """``fc2(relu(bn(fc1(x))))``: a BatchNorm normalises by the statistics of the batch it is
+    given, so without SyncBatchNorm each data-parallel replica uses its own."""
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, out_features: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))

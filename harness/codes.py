@@ -18,8 +18,8 @@ CODES: dict[str, str] = {
     "grad-double-averaged": "gradients are reference / world size: averaged twice",
     "grad-not-averaged": "gradients are reference x N: summed, never averaged",
     "grad-scaled": "gradients off by another constant factor (accumulation steps, micro-batches)",
-    "missing-grad-sync": "some parameters' gradients were never synchronized across replicas",
-    "replica-divergence": "parameters that should be identical on replicas differ",
+    "missing-grad-sync": "some parameters' gradients were never synchronized across replicas (or, for parameters TP keeps replicated, over the TP group)",
+    "replica-divergence": "parameters (or gradients) that should be identical on replicas, or on the TP ranks of one replica, differ",
     "missing-shard-contribution": "part of a sharded tensor never reached the loss or the reduction",
     "tp-partial-sum": "a row-parallel output was used without its all-reduce",
     "rng-desync": "dropout / random masks differ where they must match (or match where they must differ)",
@@ -30,6 +30,7 @@ CODES: dict[str, str] = {
     "collective-missing": "a rank never issued a collective its group waits in (hang)",
     "shard-layout": "a gathered tensor's shape or element order differs from the reference",
     "state-structure": "missing / extra / renamed state-dict or optimizer-state entries",
+    "per-replica-statistic": "the run computes a batch statistic per data-parallel replica (BatchNorm, router loss, per-replica normaliser): it matches the per-replica reference, not one device's",
     "numeric-mismatch": "a mismatch above tolerance that matches no pattern above",
 }
 

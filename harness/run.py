@@ -19,6 +19,7 @@ from reference.cache import cached_reference
 from reference.case import Case, check_dataset
 from reference.record import Record
 from reference.replay import replay_reference
+from reference.trainer import ReferenceVariant
 from reference.schedule import global_batch_indices
 
 from harness.context import broadcast_object
@@ -159,7 +160,7 @@ def _train_step(case: Case, strategy: Strategy, setup: Any, recorder: RankRecord
             f"for {len(batches)} micro-batches at step {step}"
         )
     for batch, loss in zip(batches, losses):
-        recorder.micro_batch(step, loss, batch.ids)
+        recorder.micro_batch(step, loss, batch.ids, case.normaliser(batch))
         if tracer is not None:
             tracer.record_samples(step, batch.ids)
     if case.grad_clip is not None:
@@ -241,14 +242,47 @@ def compare_to_reference(
         result.notes += notes
         return result
     policy = policy_for(True)
-    stepwise = replay_reference(case, record, replay_path(record.path))
-    result = compare(stepwise, record, policy, label=label)
+    replicas = dp_size(record)
+    if case.per_replica and replicas > 1:
+        # The case says these statistics are per replica on purpose: that reference is the contract.
+        stepwise = replay_reference(case, record, replay_path(record.path), variant=ReferenceVariant(replicas=replicas))
+        result = compare(stepwise, record, policy, label=label)
+        result.per_replica = {"contract": True, "replicas": replicas, "declared": list(case.per_replica)}
+        notes.append(f"compared with the per-replica reference: each of the {replicas} replicas' micro-batches computed on "
+                     f"their own (the case declares per-replica statistics: {', '.join(case.per_replica)})")
+    else:
+        stepwise = replay_reference(case, record, replay_path(record.path))
+        result = compare(stepwise, record, policy, label=label)
+        if not result.passed and replicas > 1:
+            result.per_replica = _per_replica_view(case, record, stepwise, policy, replicas)
     result.notes += notes
     result.mode = "stepwise"
     # The same tolerances as the verdict's: the view says where the trajectory leaves one
     # step's noise, which a correct run may well do.
     result.trajectory = trajectory_view(compare(reference, record, policy))
     return result
+
+
+def dp_size(record: Record) -> int:
+    """The data-parallel size a parallel record's ranks declared (1 without layouts)."""
+    return max((int(r.get("dp_size", 1)) for r in record.meta.get("ranks", [])), default=1)
+
+
+def _per_replica_view(case: Case, record: Record, one_device: Record, policy: TolerancePolicy, replicas: int) -> dict[str, Any]:
+    """Whether a run that failed against the one-device reference matches the per-replica one
+    (the program computes a batch statistic per replica), and how far the two references are
+    apart; evidence for ``per-replica-statistic``."""
+    from harness.analysis.tolerance import grad_distance
+
+    path = Path(str(replay_path(record.path)) + "-per-replica")
+    per = replay_reference(case, record, path, variant=ReferenceVariant(replicas=replicas))
+    compared = compare(per, record, policy)
+    div = compared.first_divergence
+    return {
+        "contract": False, "replicas": replicas, "reference": str(per.path), "passed": compared.passed,
+        "first_divergence": {"step": div.step, "entries": [list(e) for e in div.entries[:10]]} if div else None,
+        "references_differ_by": grad_distance(one_device, per),
+    }
 
 
 def run_strategy(

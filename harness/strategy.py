@@ -113,7 +113,7 @@ def accumulate_micro_batches(
         context = sync(i == len(micro_batches) - 1) if sync is not None else None
         with context if context is not None else contextlib.nullcontext():
             loss = forward(model, batch)
-            weight = case.loss_weight(len(batch), setup.layout.dp_size, grad_reduction=grad_reduction)
+            weight = case.batch_weight(batch, setup.layout.dp_size, grad_reduction=grad_reduction)
             (loss * weight * scale if scale != 1.0 else loss * weight).backward()
         losses.append(loss.detach() if setup.layout.holds_loss else None)
     return losses
@@ -139,7 +139,7 @@ class StrategyBase:
     def local_batches(self, case: Case, setup: RankSetup, step: int) -> list[Batch]:
         layout = setup.layout
         return [
-            collate(case.dataset, indices, device=setup.device, dtype=case.dtype)
+            collate(case.dataset, indices, device=setup.device, dtype=case.dtype, step=step)
             for indices in replica_micro_batch_indices(case, step, layout.dp_rank, layout.dp_size)
         ]
 

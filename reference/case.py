@@ -73,6 +73,7 @@ class Batch:
     ids: tuple[int, ...]
     inputs: Any  # a tensor, or a dict / tuple of tensors, stacked along dim 0
     targets: Any  # likewise; None where the model computes its own loss
+    step: int | None = None  # the training step it belongs to, where the harness collated it
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -185,10 +186,12 @@ def collate(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    step: int | None = None,
 ) -> Batch:
     """Stack the samples at ``indices`` into a :class:`Batch` on ``device`` (dicts and tuples
     of tensors key by key, as ``torch.utils.data.default_collate`` does); floating tensors are
-    cast to ``dtype``."""
+    cast to ``dtype``. ``step``: the training step the batch is for (what a case's
+    ``loss_normaliser`` needs to weight it)."""
     if not indices:
         raise CaseError("cannot collate an empty batch")
     samples = [_sample_at(dataset, int(i)) for i in indices]
@@ -198,6 +201,7 @@ def collate(
         ids=tuple(s.id for s in samples),
         inputs=to_batch_values(inputs, device=device, dtype=dtype),
         targets=to_batch_values(targets, device=device, dtype=dtype),
+        step=step,
     )
 
 
@@ -244,6 +248,16 @@ class Case:
     # (torch.nn.utils.clip_grad_norm_), None for none. The reference clips the same way, and
     # the recorded gradients are the clipped ones the optimizer uses.
     grad_clip: float | None = None
+    # What a micro-batch's loss is a mean over, when not its samples: a function of the Batch
+    # returning that count (the valid tokens of a masked loss: ``lambda b: b.targets["mask"].sum()``).
+    # The step's loss is then the mean over all of the step's units, every micro-batch weighted
+    # by its count (as a loop normalising by the step's token count computes it).
+    loss_normaliser: Callable[[Batch], Any] | None = None
+    # Statistics the program computes per data-parallel replica *on purpose* (names of modules
+    # - a BatchNorm without sync - or "loss" for the loss itself: a router's load-balancing loss, a
+    # per-replica token mean): the contract is then each replica's micro-batches computed on
+    # their own and combined as the layout combines them (see README, "per-replica statistics").
+    per_replica: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -270,6 +284,10 @@ class Case:
         if self.grad_clip is not None and (isinstance(self.grad_clip, bool) or not isinstance(self.grad_clip, (int, float))
                                            or not (self.grad_clip > 0 and math.isfinite(self.grad_clip))):
             raise CaseError(f"{where}: grad_clip must be a finite max norm > 0 or None, got {self.grad_clip!r}")
+        if self.loss_normaliser is not None and not callable(self.loss_normaliser):
+            raise CaseError(f"{where}: loss_normaliser must be a function of the Batch (or None), got {self.loss_normaliser!r}")
+        if isinstance(self.per_replica, str) or not all(isinstance(n, str) and n for n in self.per_replica):
+            raise CaseError(f"{where}: per_replica must be a tuple of module names or 'loss', got {self.per_replica!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise CaseError(f"{where}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
         if not hasattr(self.dataset, "__len__") or not hasattr(self.dataset, "__getitem__"):
@@ -314,18 +332,58 @@ class Case:
         per_sync = replicas if grad_reduction == "mean" else 1
         return per_loss * per_sync / self.global_batch_size
 
-    def combine_losses(self, losses: Sequence[tuple[float, int]]) -> float:
-        """The loss of the samples of several pieces (``(loss, samples)`` each, as ``loss_fn``
-        returns it per piece) as ``loss_fn`` would return it for them together: the
-        sample-weighted mean for "mean", the sum for "sum"."""
+    def normaliser(self, batch: Batch) -> float:
+        """What ``batch``'s loss is a mean over: ``loss_normaliser(batch)`` (a token count),
+        else its number of samples."""
+        if self.loss_normaliser is None:
+            return float(len(batch))
+        value = self.loss_normaliser(batch)
+        value = float(value.detach().sum()) if isinstance(value, torch.Tensor) else float(value)
+        if not (value >= 0 and math.isfinite(value)):
+            raise CaseError(f"case {self.name!r}: loss_normaliser returned {value!r} for a batch; give a count >= 0")
+        return value
+
+    def step_normaliser(self, step: int) -> float:
+        """The step's total of :meth:`normaliser` over its global batch (its global batch size
+        without a ``loss_normaliser``)."""
+        if self.loss_normaliser is None:
+            return float(self.global_batch_size)
+        cache = self.__dict__.setdefault("_step_normalisers", {})
+        if step not in cache:
+            from .schedule import micro_batch_indices
+
+            cache[step] = sum(self.normaliser(collate(self.dataset, idx, dtype=self.dtype, step=step))
+                              for idx in micro_batch_indices(self, step))
+        return cache[step]
+
+    def batch_weight(self, batch: Batch, replicas: int = 1, *, grad_reduction: str = "mean", step: int | None = None) -> float:
+        """:meth:`loss_weight` for ``batch``: its samples' share of the global batch, or with a
+        ``loss_normaliser`` its count's share of the step's (``step`` defaults to the one the
+        harness collated the batch for)."""
+        if self.loss_normaliser is None:
+            return self.loss_weight(len(batch), replicas, grad_reduction=grad_reduction)
+        step = batch.step if step is None else step
+        if step is None:
+            raise CaseError(f"case {self.name!r} has a loss_normaliser: weighting a batch needs its step (collate it with "
+                            "step=..., or use run.batches(step))")
+        total = self.step_normaliser(step)
+        return self.loss_weight(self.normaliser(batch), replicas, grad_reduction=grad_reduction) * self.global_batch_size / total \
+            if total else 0.0
+
+    def combine_losses(self, losses: Sequence[tuple[float, float]]) -> float:
+        """The loss of the samples of several pieces (``(loss, count)`` each, as ``loss_fn``
+        returns it per piece, with its :meth:`normaliser`) as ``loss_fn`` would return it for
+        them together: the count-weighted mean for "mean", the sum for "sum"."""
+        if len(losses) == 1:
+            return float(losses[0][0])
         if self.loss_reduction == "sum":
             return float(sum(loss for loss, _ in losses))
         total = sum(n for _, n in losses)
         return float(sum(loss * n for loss, n in losses) / total) if total else math.nan
 
-    def mean_loss(self, total: float, num_samples: int) -> float:
-        """A step's loss as recorded: the mean per sample over the global batch, from the
-        ``combine_losses`` of all its samples."""
+    def mean_loss(self, total: float, num_samples: float) -> float:
+        """A step's loss as recorded: the mean per sample (or per :meth:`normaliser` unit) over
+        the global batch, from the ``combine_losses`` of all its samples."""
         return total if self.loss_reduction == "mean" else total / num_samples
 
     # -- forward ------------------------------------------------------------------------------
@@ -392,6 +450,8 @@ class Case:
             "loss_fn": callable_name(self.loss_fn) if self.loss_fn is not None else "the model's own output loss",
             "loss_reduction": self.loss_reduction,
             "grad_clip": self.grad_clip,
+            "loss_normaliser": callable_name(self.loss_normaliser) if self.loss_normaliser is not None else None,
+            "per_replica": list(self.per_replica),
             "optimizer_factory": callable_name(self.optimizer_factory),
             "global_batch_size": self.global_batch_size,
             "micro_batches": self.micro_batches,

@@ -24,7 +24,7 @@ from .record import (
     optimizer_param_groups,
     optimizer_state_items,
 )
-from .schedule import global_batch_indices, micro_batch_indices
+from .schedule import global_batch_indices, micro_batch_indices, replica_micro_batch_indices
 
 __all__ = [
     "NonFiniteReferenceError",
@@ -48,11 +48,17 @@ class ReferenceVariant:
     - ``micro_batches``: split each global batch into this many micro-batches instead.
     - ``reverse``: feed each micro-batch's samples in reverse order (changes the order of the
       batch-dimension reductions, not their result in exact arithmetic).
+    - ``replicas``: the per-replica reference of a data-parallel layout: each micro-batch is
+      split as that many replicas take it (``DistributedSampler``) and every replica's piece runs
+      forward on its own, its loss weighted by its own share (what a program computing batch
+      statistics per replica computes; equal to the one-device reference for a program that
+      computes none).
     """
 
     upcast: torch.dtype | None = None
     micro_batches: int | None = None
     reverse: bool = False
+    replicas: int | None = None
 
     def describe(self) -> dict[str, Any]:
         data = asdict(self)
@@ -199,25 +205,43 @@ class _Training:
             known = set(self.writer.meta.get("upcast_fallback", []))
             self.writer.meta["upcast_fallback"] = sorted(known | mode.fell_back)
 
+    def micro_batch_pieces(self, step: int) -> list[list[list[int]]]:
+        """Per micro-batch of ``step``, the index lists that run forward on their own: the whole
+        micro-batch, or with ``variant.replicas`` each replica's piece of it."""
+        if not self.variant.replicas:
+            return [[indices] for indices in micro_batch_indices(self.schedule, step)]
+        per_replica = [replica_micro_batch_indices(self.schedule, step, r, self.variant.replicas) for r in range(self.variant.replicas)]
+        return [[mine[m] for mine in per_replica] for m in range(self.schedule.micro_batches)]
+
     def _forward_backward(self, step: int, rec: Any) -> None:
         case = self.case
-        pieces: list[tuple[float, int]] = []
-        for indices in micro_batch_indices(self.schedule, step):
-            if self.variant.reverse:
-                indices = indices[::-1]
-            batch = collate(case.dataset, indices, device=self.device, dtype=case.dtype)
-            loss = case.compute_loss(case.call_model(self.model, self._cast(batch.inputs)), self._cast(batch.targets))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise CaseError(
-                    f"case {case.name!r}: the loss must be a scalar tensor (the {case.loss_reduction} over the "
-                    f"micro-batch), got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
-                )
-            (loss * case.loss_weight(len(batch))).backward()
-            rec.micro_losses.append(loss.detach().item())
-            rec.micro_sample_ids.append(list(batch.ids))
-            rec.sample_ids.extend(batch.ids)
-            pieces.append((rec.micro_losses[-1], len(batch)))
-        rec.loss = case.mean_loss(case.combine_losses(pieces), case.global_batch_size)
+        everything: list[tuple[float, float]] = []  # (micro-batch loss, its share of the step)
+        for micro in self.micro_batch_pieces(step):
+            pieces: list[tuple[float, float]] = []
+            ids: list[int] = []
+            for indices in micro:
+                if self.variant.reverse:
+                    indices = indices[::-1]
+                batch = collate(case.dataset, indices, device=self.device, dtype=case.dtype, step=step)
+                loss = case.compute_loss(case.call_model(self.model, self._cast(batch.inputs)), self._cast(batch.targets))
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise CaseError(
+                        f"case {case.name!r}: the loss must be a scalar tensor (the {case.loss_reduction} over the "
+                        f"micro-batch), got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+                    )
+                # One device weights each micro-batch by its share of the step; the per-replica
+                # reference weights each replica's piece by its samples, as averaging the
+                # replicas' gradients does whatever each loss is normalised by.
+                weight = case.loss_weight(len(batch)) if self.variant.replicas else case.batch_weight(batch, step=step)
+                (loss * weight).backward()
+                pieces.append((loss.detach().item(), case.normaliser(batch)))
+                ids += batch.ids
+            rec.micro_losses.append(case.combine_losses(pieces))
+            rec.micro_sample_ids.append(ids)
+            rec.sample_ids.extend(ids)
+            share = sum(n for _, n in pieces) if case.loss_normaliser is not None else float(len(ids))
+            everything.append((rec.micro_losses[-1], share))
+        rec.loss = case.mean_loss(case.combine_losses(everything), sum(n for _, n in everything))
         _check_finite(math.isfinite(rec.loss), step, "loss", "loss", case)
 
     def record_grads(self, step: int) -> None:

@@ -171,6 +171,11 @@ class CompareResult:
     # Secondary view in stepwise mode: the run's whole trajectory against the reference's
     # (see :func:`trajectory_view`); never part of ``passed``.
     trajectory: dict[str, Any] = field(default_factory=dict)
+    # The per-replica reference of a data-parallel run (each replica's micro-batches on their
+    # own, harness.analysis.per_replica): "contract" when the case declares per-replica
+    # statistics and it is ``reference``; else, for a run that failed, whether it matches that
+    # one instead ("passed"), and how far the two references are apart ("references_differ_by").
+    per_replica: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -494,6 +499,7 @@ def compare(
         )
     if not actual.complete:
         result.notes.append(f"the parallel run's record is incomplete (it failed after {actual.num_steps} steps)")
+    result.notes += [f"calibration: {why}" for why in result.tolerance.get("rejected", [])]
 
     expected_structure, actual_structure = _structure(reference), _structure(actual)
     # DeepDiff only where the structures differ: on identical ones it costs a third of a comparison.

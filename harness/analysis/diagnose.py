@@ -56,7 +56,7 @@ _ROOT_CODES = frozenset(
     {
         "duplicate-samples", "dropped-samples", "inconsistent-replica-inputs", "swapped-mesh-dims",
         "collective-mismatch", "collective-missing", "pp-stage-coverage", "tp-partial-sum", "rng-desync",
-        "state-structure", "shard-layout",
+        "state-structure", "shard-layout", "per-replica-statistic",
     }
 )
 
@@ -232,6 +232,7 @@ class Analysis:
         found += self._structure()
         found += self._probe_findings(found)
         found += self._random_draws(found)
+        found += self._per_replica_statistic(found)
         # Copies of a replicated parameter that went apart before any gradient failed are the
         # root: each rank computed its later gradients with its own weights.
         early = self._replica_divergence(found)
@@ -660,6 +661,57 @@ class Analysis:
              "likely_source": f"an update applied on some {dims} ranks only (gradient clipping, an optimizer step or a weight "
                               "change on one rank), so the copies each rank computes with drift apart"},
         )
+
+    # -- per-replica statistics ----------------------------------------------------------------
+
+    def _per_replica_statistic(self, found: list[Diagnosis]) -> list[Diagnosis]:
+        """``per-replica-statistic``: the run matches the per-replica reference but not the
+        one-device one (a batch statistic computed per replica: undeclared), or the case
+        declares per-replica statistics that do not cover what depends on the batch."""
+        view = self.cmp.per_replica
+        if not view or self.case is None or any(d.code in _ROOT_CODES for d in found):
+            return []
+        from harness.analysis import per_replica
+
+        if view.get("contract"):
+            if not self.cmp.passed:
+                return []  # a bug under the declaration: the other patterns name it
+            try:
+                dependence = per_replica.batch_dependence(self.case, 0, int(view["replicas"]))
+            except Exception as exc:  # noqa: BLE001 - the harness's own probe must not hide the verdict
+                self.cmp.notes.append(f"harness: the batch-dependence probe failed ({type(exc).__name__}: {exc})")
+                return []
+            undeclared = per_replica.names_declared(self.case.per_replica, dependence)
+            if not undeclared:
+                return []
+            return [Diagnosis(
+                "per-replica-statistic",
+                f"{per_replica.describe(dependence)}; the case declares per-replica statistics for "
+                f"{', '.join(self.case.per_replica)} only, not {', '.join(undeclared)}",
+                {"declared": list(self.case.per_replica), "undeclared": undeclared, "dependence": dependence,
+                 "likely_source": "a batch statistic the declaration does not name: declare it in Case.per_replica if it is "
+                                  "meant, else synchronize it over the data-parallel group"},
+            )]
+        if self.cmp.passed or not view.get("passed"):
+            return []
+        step = (view.get("first_divergence") or {}).get("step") or self._first_failing_step("grad") or 0
+        try:
+            dependence = per_replica.batch_dependence(self.case, 0, int(view["replicas"]))
+        except Exception as exc:  # noqa: BLE001
+            dependence = {"error": f"{type(exc).__name__}: {exc}", "replicas": view["replicas"]}
+        terms = per_replica.dependence_terms(dependence) if "error" not in dependence else []
+        return [Diagnosis(
+            "per-replica-statistic",
+            f"the run matches the per-replica reference (each of the {view['replicas']} replicas' micro-batches computed on "
+            f"its own), not one device's: {per_replica.describe(dependence) if 'error' not in dependence else 'the dependence could not be probed'}; "
+            f"the two references differ by {view['references_differ_by']:.3g} of the largest gradient",
+            {"replicas": view["replicas"], "references_differ_by": view["references_differ_by"], "dependence": dependence,
+             "first_step": step, "declare": {"per_replica": terms} if terms else None,
+             "likely_source": "a statistic of the batch computed on each replica's own samples (a BatchNorm without sync, a "
+                              "router's load-balancing loss, a loss normalised by the replica's own token count): synchronize it "
+                              "over the data-parallel group (SyncBatchNorm, an all-reduced count), or declare it in "
+                              f"Case(per_replica={tuple(terms)!r}) if each replica's statistic is what you mean"},
+        )]
 
     # -- random draws ------------------------------------------------------------------------
 

@@ -126,6 +126,9 @@ class CalibratedTolerances:
     variants: list[str]
     safety: float = 4.0
     stepwise: bool = False  # measured one step at a time from the reference's own state
+    # Variants measured but not used as noise, each with why (a split that changes what the
+    # loss computes; a difference beyond the dtype's rounding): see :func:`calibrate`.
+    rejected: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         per_kind: dict[tuple[int, str], list[float]] = {}
@@ -159,6 +162,7 @@ class CalibratedTolerances:
             "mode": "calibrated",
             "stepwise": self.stepwise,
             "variants": self.variants,
+            "rejected": self.rejected,
             "safety": self.safety,
             "relative_noise": {f"{s}:{k}": v for (s, k), v in sorted(self._relative.items())},
         }
@@ -166,6 +170,7 @@ class CalibratedTolerances:
     def to_json(self) -> dict[str, Any]:
         return {
             "variants": self.variants,
+            "rejected": self.rejected,
             "safety": self.safety,
             "stepwise": self.stepwise,
             "noise": [[s, k, n, a, sc] for (s, k, n), (a, sc) in self.noise.items()],
@@ -178,6 +183,7 @@ class CalibratedTolerances:
             variants=list(data["variants"]),
             safety=float(data["safety"]),
             stepwise=bool(data.get("stepwise", False)),
+            rejected=list(data.get("rejected", [])),
         )
 
 
@@ -264,6 +270,37 @@ def _measure(
                 add((step, kind, name), float(diff.max()) if diff.numel() else 0.0, scale)
 
 
+# Reordering a reduction changes a float64 result by rounding only, ~1e-16 of the magnitudes
+# summed. A split variant whose float64 twin moves the loss or a gradient by more than
+# SEMANTIC_MARGIN x what reversing the samples inside each micro-batch moves it (the same
+# computation reordered: its float64 rounding, or coarser where parts of the program compute in
+# float32 even then - a model's own loss cast to float32, an op without a float64 kernel), and
+# by at least FLOAT64_INVARIANCE of the largest magnitude, computes something else.
+FLOAT64_INVARIANCE = 1e-9
+SEMANTIC_MARGIN = 100.0
+# A reordered run in the case dtype differs from the reference by two draws of the rounding the
+# float64 rerun measures (reference vs exact, variant vs exact): a median relative gradient
+# noise beyond this many times the float64 rerun's is not rounding.
+ROUNDING_BOUND = 100.0
+
+
+def grad_distance(a: Record, b: Record) -> float:
+    """Largest difference between two records' losses and gradients, relative to the largest
+    magnitude of its kind (losses, gradients) over every step."""
+    worst = 0.0
+    for step in range(min(a.num_steps, b.num_steps)):
+        la, lb = a.step(step).loss, b.step(step).loss
+        if la is not None and lb is not None:
+            worst = max(worst, abs(la - lb) / max(abs(la), 1e-30))
+        names = [n for n in a.step(step).names("grad") if n in set(b.step(step).names("grad"))]
+        scale = max((float(a.tensor(step, "grad", n).abs().max()) for n in names if a.info(step, "grad", n).shape), default=0.0)
+        for n in names:
+            ta, tb = a.tensor(step, "grad", n).double(), b.tensor(step, "grad", n).double()
+            if ta.shape == tb.shape and ta.numel():
+                worst = max(worst, float((ta - tb).abs().max()) / max(scale, 1e-30))
+    return worst
+
+
 def calibrate(
     case: Case,
     reference: Record,
@@ -277,24 +314,104 @@ def calibrate(
     """Measure ``reference``'s numerical noise by retraining ``case`` in equivalent ways (cached
     like the reference) and turn it into per-tensor tolerances. ``stepwise``: each equivalent
     run takes every step from the reference's own state and only the loss and gradients are
-    measured (the noise of one step, for the same-start comparison)."""
+    measured (the noise of one step, for the same-start comparison).
+
+    A variant is noise only if it computes the same thing. Each reordered variant is checked
+    against its float64 twin: when reordering in float64 moves the loss or a gradient by more
+    than rounding can (:data:`FLOAT64_INVARIANCE`), the split changes the program's meaning (a
+    loss normalised per micro-batch: masked means, token means, per-batch statistics) and the
+    variant is rejected - never learnt as noise - in favour of one that keeps the micro-batches
+    (samples reversed inside each). A kept variant's noise is bounded by what the dtype's
+    rounding produces, measured by the float64 rerun (:data:`ROUNDING_BOUND`)."""
     variants = list(variants) if variants is not None else calibration_variants(case)
-    noise: dict[tuple[int, str, str], tuple[float, float]] = {}
-    labels = []
-    for variant in variants:
-        same_micro = variant.micro_batches in (None, case.micro_batches)
+
+    def run(variant: ReferenceVariant) -> Record:
         if stepwise:
-            other = cached_noise_replay(case, variant, cache=cache, device=device)
-            _measure(reference, other, same_micro, noise, kinds=("grad",))
-        else:
-            other = cached_reference(case, cache=cache, device=device, variant=variant)
-            _measure(reference, other, same_micro, noise)
-        label = _variant_label(variant) + (", one step from the reference's state" if stepwise else "")
+            return cached_noise_replay(case, variant, cache=cache, device=device)
+        return cached_reference(case, cache=cache, device=device, variant=variant)
+
+    def exact(variant: ReferenceVariant) -> Record:
+        """``variant`` in float64 (the reference itself for a float64 case)."""
+        if case.dtype == torch.float64:
+            return run(variant) if (variant.micro_batches, variant.reverse) != (None, False) else reference
+        return run(ReferenceVariant(upcast=torch.float64, micro_batches=variant.micro_batches, reverse=variant.reverse))
+
+    kinds = ("grad",) if stepwise else ("grad", "param", "optim")
+    noise: dict[tuple[int, str, str], tuple[float, float]] = {}
+    labels: list[str] = []
+    rejected: list[str] = []
+    rounding: dict[tuple[int, str], float] | None = None
+    suffix = ", one step from the reference's state" if stepwise else ""
+    for variant in variants:
+        if variant.upcast is None:  # a reordering: does it compute the same thing?
+            variant, why = _semantics_keeping(variant, case, exact, rejected)
+            if variant is None:
+                continue
+        other = run(variant)
+        measured: dict[tuple[int, str, str], tuple[float, float]] = {}
+        _measure(reference, other, variant.micro_batches in (None, case.micro_batches), measured, kinds=kinds)
+        label = _variant_label(variant) + suffix
         if other.meta.get("upcast_fallback"):
             label += (f" (ops without a {str(variant.upcast).removeprefix('torch.')} kernel ran in "
                       f"{str(case.dtype).removeprefix('torch.')}: {', '.join(other.meta['upcast_fallback'])})")
+        if variant.upcast is not None:
+            rounding = _median_relative(measured)
+        elif rounding is not None:
+            beyond = _beyond_rounding(measured, rounding)
+            if beyond:
+                rejected.append(f"{label}: {beyond}, more than {ROUNDING_BOUND:g} x what the float64 rerun measured "
+                                f"{str(case.dtype).removeprefix('torch.')} rounding to produce: not used as noise")
+                continue
         labels.append(label)
-    return CalibratedTolerances(noise, labels, safety, stepwise=stepwise)
+        for key, (abs_noise, scale) in measured.items():
+            old = noise.get(key, (0.0, scale))
+            noise[key] = (max(old[0], abs_noise), scale)
+    return CalibratedTolerances(noise, labels, safety, stepwise=stepwise, rejected=rejected)
+
+
+def _semantics_keeping(
+    variant: ReferenceVariant, case: Case, exact: Any, rejected: list[str]
+) -> tuple[ReferenceVariant | None, str]:
+    """``variant`` when it keeps the program's meaning, else the reversal of the samples inside
+    the case's own micro-batches (which keeps it: a sum or mean over a batch does not depend on
+    its order); a rejection is noted in ``rejected``. A split's meaning is kept when its float64
+    twin lands as close to the float64 reference as the reversal's twin does (within
+    ``SEMANTIC_MARGIN``, floor ``FLOAT64_INVARIANCE``)."""
+    if variant.micro_batches in (None, case.micro_batches):
+        return variant, ""
+    base = exact(ReferenceVariant())
+    floor = grad_distance(base, exact(ReferenceVariant(reverse=True)))
+    distance = grad_distance(base, exact(variant))
+    bound = max(FLOAT64_INVARIANCE, SEMANTIC_MARGIN * floor)
+    if distance <= bound:
+        return variant, ""
+    rejected.append(
+        f"{_variant_label(variant)}: splitting each micro-batch in two changes what is computed - in float64 the loss or a "
+        f"gradient moves by {distance:.3g} of its largest magnitude, where reordering the same samples moves it by {floor:.3g}: "
+        "the loss is not invariant to splitting the batch (normalised per micro-batch: a masked or token mean, a batch "
+        "statistic); not used as noise, the samples reversed inside each micro-batch instead"
+    )
+    return ReferenceVariant(reverse=True), ""
+
+
+def _median_relative(measured: Mapping[tuple[int, str, str], tuple[float, float]]) -> dict[tuple[int, str], float]:
+    per_kind: dict[tuple[int, str], list[float]] = {}
+    for (step, kind, _), (abs_noise, scale) in measured.items():
+        if scale > 0:
+            per_kind.setdefault((step, kind), []).append(abs_noise / scale)
+    return {key: _median(v) for key, v in per_kind.items()}
+
+
+def _beyond_rounding(measured: Mapping[tuple[int, str, str], tuple[float, float]], rounding: Mapping[tuple[int, str], float]) -> str:
+    """'' when ``measured``'s median relative gradient noise per step is within
+    ``ROUNDING_BOUND`` x the float64 rerun's; else what exceeded it."""
+    for key, rel in sorted(_median_relative(measured).items()):
+        if key[1] != "grad":
+            continue
+        bound = rounding.get(key)
+        if bound is not None and bound > 0 and rel > ROUNDING_BOUND * bound:
+            return f"its median relative {key[1]} noise at step {key[0]} is {rel:.3g} against {bound:.3g} from float64"
+    return ""
 
 
 def reference_dtype(record: Record) -> torch.dtype:

@@ -125,8 +125,9 @@ class CustomRun:
         over the layout's data-parallel replicas (use your own loader if you prefer; then pass
         its sample ids to :meth:`loss`)."""
         layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
+        self._batches_step = step
         batches = [
-            collate(self.case.dataset, idx, device=device or self.ctx.device, dtype=self.case.dtype)
+            collate(self.case.dataset, idx, device=device or self.ctx.device, dtype=self.case.dtype, step=step)
             for idx in replica_micro_batch_indices(self.case, step, layout.dp_rank, layout.dp_size)
         ]
         if step == 0 and batches and self.probe is not None and self.probe.input is None:
@@ -134,22 +135,44 @@ class CustomRun:
             self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), batches[0].inputs)
         return batches
 
-    def loss_weight(self, batch: Batch | int, *, grad_reduction: str = "mean") -> float:
+    def loss_weight(self, batch: Batch | int, *, grad_reduction: str = "mean", step: int | None = None) -> float:
         """The factor on a micro-batch's loss (as ``CASE.loss_fn`` returns it: see
         ``Case.loss_reduction``) that makes the gradients, once averaged (``grad_reduction=
         "mean"``) or summed (``"sum"``) over the layout's replicas, equal those of the
-        global-batch mean (see :meth:`reference.case.Case.loss_weight`)."""
+        global-batch mean (see :meth:`reference.case.Case.batch_weight`). With a case
+        ``loss_normaliser`` (a token count) the share is the batch's count over the step's,
+        which the harness computes from the dataset: the glue stays the same."""
         layout = self.layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
-        n = batch if isinstance(batch, int) else len(batch)
-        return self.case.loss_weight(n, layout.dp_size, grad_reduction=grad_reduction)
+        if isinstance(batch, int):
+            return self.case.loss_weight(batch, layout.dp_size, grad_reduction=grad_reduction)
+        if batch.step is None and step is None:
+            step = getattr(self, "_batches_step", None)
+        return self.case.batch_weight(batch, layout.dp_size, grad_reduction=grad_reduction, step=step)
 
-    def loss(self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int]) -> None:
+    def loss(
+        self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int], *, normaliser: float | None = None
+    ) -> None:
         """Local: this rank consumed ``sample_ids`` in its next micro-batch, with ``loss`` the
-        unweighted mean loss over them (None on ranks that compute no loss)."""
-        self._rec("loss").micro_batch(step, loss, sample_ids)
+        unweighted loss over them as ``CASE.loss_fn`` returns it (None on ranks that compute
+        no loss). ``normaliser``: what that loss is a mean over (its valid tokens), by which the
+        harness combines the replicas' and micro-batches' pieces; default the case's
+        ``loss_normaliser`` of those samples, else their number."""
+        if normaliser is None and self.case.loss_normaliser is not None:
+            normaliser = self.case.normaliser(self._collate_ids(sample_ids, step))
+        self._rec("loss").micro_batch(step, loss, sample_ids, normaliser)
         self._step(step)
         if self.tracer is not None:
             self.tracer.record_samples(step, sample_ids)
+
+    def _collate_ids(self, sample_ids: Sequence[int], step: int) -> Batch:
+        """The batch of the dataset's samples with these ids (for the case's normaliser)."""
+        from reference.case import _sample_at
+
+        index = self.__dict__.get("_index_of_id")
+        if index is None:
+            index = {_sample_at(self.case.dataset, i).id: i for i in range(len(self.case.dataset))}
+            self._index_of_id = index
+        return collate(self.case.dataset, [index[int(i)] for i in sample_ids], dtype=self.case.dtype, step=step)
 
     def shard(self, tensor: torch.Tensor, dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
         """Declare a hand-sharded tensor: this rank holds its slice along ``dim`` among the

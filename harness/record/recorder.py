@@ -130,17 +130,22 @@ class RankRecorder:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def micro_batch(self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int]) -> None:
+    def micro_batch(
+        self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int], weight: float | None = None
+    ) -> None:
         """Local: this rank consumed ``sample_ids`` in its next micro-batch of ``step``, with
         ``loss`` the unweighted mean loss over them (None where this rank computes no loss,
-        e.g. a pipeline stage other than the last)."""
+        e.g. a pipeline stage other than the last). ``weight``: what the loss is a mean over
+        (``Case.normaliser`` of the batch; default its number of samples), by which the
+        replicas' pieces are combined."""
         if self._phase.get(step) not in (None, "micro"):
             raise RecorderError(f"micro_batch(step={step}) after grads()/after_step() of that step")
         self._phase[step] = "micro"
         value = None
         if loss is not None:
             value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
-        self._micro.setdefault(step, []).append((value, [int(i) for i in sample_ids]))
+        ids = [int(i) for i in sample_ids]
+        self._micro.setdefault(step, []).append((value, ids, float(len(ids) if weight is None else weight)))
 
     def grads(self, step: int) -> None:
         """Collective: record full gradients (call just before ``optimizer.step()``)."""
@@ -221,27 +226,33 @@ class RankRecorder:
         if self.writer is None:
             return
         rec = self.writer.step(step)
-        rec.rank_sample_ids = {r["rank"]: [ids for _, ids in r["micro"]] for r in everyone}
+        rec.rank_sample_ids = {r["rank"]: [ids for _, ids, _ in r["micro"]] for r in everyone}
         holders = sorted((r for r in everyone if r["holds_loss"]), key=lambda r: (r["dp_rank"], r["rank"]))
         num_micro = max((len(r["micro"]) for r in holders), default=0)
-        everything: list[tuple[float, int]] = []
+        # Micro-batch m's loss: the replicas' pieces combined by what each is a mean over (its
+        # normaliser); the step's: the micro-batches combined by their share of the step - their
+        # units with a case loss_normaliser, else their samples (as the reference combines them).
+        micro_entries: list[tuple[float, float]] = []
         for m in range(num_micro):
             ids: list[int] = []
-            pieces: list[tuple[float, int]] = []
+            pieces: list[tuple[float, float]] = []
+            samples = 0
             for r in holders:
                 if m >= len(r["micro"]):
                     continue
-                loss, mb_ids = r["micro"][m]
+                loss, mb_ids, weight = r["micro"][m]
                 ids += mb_ids
                 if loss is not None:
-                    pieces.append((loss, len(mb_ids)))
+                    pieces.append((loss, weight))
+                    samples += len(mb_ids)
             rec.micro_sample_ids.append(ids)
             rec.sample_ids += ids
-            # The replicas' pieces of micro-batch m, combined as the case's loss_fn reduces.
             rec.micro_losses.append(self.case.combine_losses(pieces) if pieces else math.nan)
-            everything += pieces
-        counted = sum(n for _, n in everything)
-        rec.loss = self.case.mean_loss(self.case.combine_losses(everything), counted) if counted else None
+            if pieces:
+                share = sum(w for _, w in pieces) if self.case.loss_normaliser is not None else samples
+                micro_entries.append((rec.micro_losses[-1], share))
+        counted = sum(n for _, n in micro_entries)
+        rec.loss = self.case.mean_loss(self.case.combine_losses(micro_entries), counted) if micro_entries and counted else None
         rec.param_groups = _merge_param_groups([r["param_groups"] for r in everyone])
         if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
             rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}

@@ -109,6 +109,20 @@ def _tensor_table(report: DiagnosisReport) -> str:
     return note + f"<table>{head}{''.join(rows)}</table>" + extra
 
 
+def _how_compared(report: DiagnosisReport) -> str:
+    """The tolerance in force and every note on what was compared and how."""
+    cmp = report.comparison or {}
+    tolerance = cmp.get("tolerance") or {}
+    parts = []
+    if tolerance:
+        parts.append(f"<p>tolerance: {_e(tolerance.get('mode', '?'))}"
+                     + (f" against {_e(', '.join(tolerance.get('variants', [])))}" if tolerance.get("variants") else "") + "</p>")
+    notes = cmp.get("notes") or []
+    if notes:
+        parts.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
+    return "".join(parts) or "<p class='muted'>no comparison</p>"
+
+
 def _num(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) else _e(x)
 
@@ -221,6 +235,7 @@ def render_html(report: DiagnosisReport) -> str:
         ("Diagnosis", _diagnoses(report)),
         ("Loss per step", _loss_plot(report)),
         ("Tensors: reference vs parallel", _tensor_table(report)),
+        ("What was compared, and how", _how_compared(report)),
         ("Sample ids per rank and step", _sample_grid(report)),
         ("Mesh", _mesh_table(report)),
         ("Collective timeline", _timeline(report)),

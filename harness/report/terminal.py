@@ -11,6 +11,7 @@ from harness.report.model import DiagnosisReport
 __all__ = ["format_evidence", "format_terminal"]
 
 _MAX_VALUE = 160
+MAX_NOTES = 4  # what was compared and how (calibration, randomness, per-replica contract)
 
 
 def _short(value: Any) -> str:
@@ -48,6 +49,11 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         div = report.comparison["first_divergence"]
         shown = ", ".join(f"{k} {n}" for k, n in div["entries"][:4])
         lines.append(f"  first divergence at step {div['step']}: {shown}")
+    notes = (report.comparison or {}).get("notes") or []
+    shown = notes if verbose else notes[:MAX_NOTES]
+    lines += [f"  note: {n}" for n in shown]
+    if len(notes) > len(shown):
+        lines.append(f"  ... {len(notes) - len(shown)} more notes (--verbose, or the JSON report's comparison.notes)")
     if v.verdict == "error" and v.error:
         lines.append(f"  error: {v.error.splitlines()[0]}")
     recorded = getattr(report, "recorded", None) or {}
