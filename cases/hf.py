@@ -28,6 +28,7 @@ __all__ = [
     "LabelledTokens",
     "Conv1DColwise",
     "Conv1DRowwise",
+    "bert_tp_plan",
     "gpt2_tp_plan",
     "hf_case",
     "hf_lm_loss",
@@ -94,7 +95,20 @@ def tiny_qwen2_moe(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads:
     return Qwen2MoeForCausalLM(config)
 
 
-HF_MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen3": tiny_qwen3, "qwen2-moe": tiny_qwen2_moe,
+def tiny_bert(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, seq: int = 16) -> nn.Module:
+    """``BertForMaskedLM`` with 2 layers, hidden 32, and BERT's default dropout: 0.1 on the
+    hidden states and 0.1 on the attention probabilities (a mask over every head), as the
+    config ships (random init)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=2 * hidden, max_position_embeddings=seq, attn_implementation="eager",
+    )
+    return BertForMaskedLM(config)
+
+
+HF_MODELS = {"llama": tiny_llama, "bert": tiny_bert, "gpt2": tiny_gpt2, "qwen3": tiny_qwen3, "qwen2-moe": tiny_qwen2_moe,
              "qwen2-moe-router-loss": functools.partial(tiny_qwen2_moe, router_loss=True)}
 
 
@@ -211,6 +225,22 @@ class Conv1DRowwise(_Conv1DStyle, RowwiseParallel):
         if type(module).__name__ == "Conv1D":
             self.desired_input_layouts = (Shard(-1),)
         return super()._apply(module, device_mesh)
+
+
+def bert_tp_plan() -> dict[str, ParallelStyle]:
+    """Megatron-style tensor parallelism of BERT's encoder layers: query/key/value and the
+    intermediate dense column-wise (each rank attends with its own heads), the attention output
+    and output dense row-wise."""
+    from .strategies.tp import colwise, rowwise
+
+    return {
+        "bert.encoder.layer.*.attention.self.query": colwise(),
+        "bert.encoder.layer.*.attention.self.key": colwise(),
+        "bert.encoder.layer.*.attention.self.value": colwise(),
+        "bert.encoder.layer.*.attention.output.dense": rowwise(),
+        "bert.encoder.layer.*.intermediate.dense": colwise(),
+        "bert.encoder.layer.*.output.dense": rowwise(),
+    }
 
 
 def gpt2_tp_plan() -> dict[str, ParallelStyle]:

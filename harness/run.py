@@ -149,9 +149,11 @@ def _train_step(case: Case, strategy: Strategy, setup: Any, recorder: RankRecord
     batches = strategy.local_batches(case, setup, step)
     if tracer is not None and step == 0:
         tracer.log_random_ops(True)  # the first step's random draws, for the rng-desync check
+    recorder.start_draws()  # every step's draws, for the reference to replay (inside the tracer's log)
     try:
         losses = strategy.forward_backward(case, setup, batches)
     finally:
+        recorder.stop_draws()
         if tracer is not None:
             tracer.log_random_ops(False)
     if len(losses) != len(batches):

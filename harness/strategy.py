@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from reference.case import Batch, Case, collate
-from reference.schedule import replica_micro_batch_indices
+from reference.schedule import batch_weight, replica_micro_batch_indices
 
 from harness.parallel_dims import RankLayout
 
@@ -113,7 +113,7 @@ def accumulate_micro_batches(
         context = sync(i == len(micro_batches) - 1) if sync is not None else None
         with context if context is not None else contextlib.nullcontext():
             loss = forward(model, batch)
-            weight = case.batch_weight(batch, setup.layout.dp_size, grad_reduction=grad_reduction)
+            weight = batch_weight(case, batch, setup.layout.dp_size, grad_reduction=grad_reduction)
             (loss * weight * scale if scale != 1.0 else loss * weight).backward()
         losses.append(loss.detach() if setup.layout.holds_loss else None)
     return losses

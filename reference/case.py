@@ -343,33 +343,6 @@ class Case:
             raise CaseError(f"case {self.name!r}: loss_normaliser returned {value!r} for a batch; give a count >= 0")
         return value
 
-    def step_normaliser(self, step: int) -> float:
-        """The step's total of :meth:`normaliser` over its global batch (its global batch size
-        without a ``loss_normaliser``)."""
-        if self.loss_normaliser is None:
-            return float(self.global_batch_size)
-        cache = self.__dict__.setdefault("_step_normalisers", {})
-        if step not in cache:
-            from .schedule import micro_batch_indices
-
-            cache[step] = sum(self.normaliser(collate(self.dataset, idx, dtype=self.dtype, step=step))
-                              for idx in micro_batch_indices(self, step))
-        return cache[step]
-
-    def batch_weight(self, batch: Batch, replicas: int = 1, *, grad_reduction: str = "mean", step: int | None = None) -> float:
-        """:meth:`loss_weight` for ``batch``: its samples' share of the global batch, or with a
-        ``loss_normaliser`` its count's share of the step's (``step`` defaults to the one the
-        harness collated the batch for)."""
-        if self.loss_normaliser is None:
-            return self.loss_weight(len(batch), replicas, grad_reduction=grad_reduction)
-        step = batch.step if step is None else step
-        if step is None:
-            raise CaseError(f"case {self.name!r} has a loss_normaliser: weighting a batch needs its step (collate it with "
-                            "step=..., or use run.batches(step))")
-        total = self.step_normaliser(step)
-        return self.loss_weight(self.normaliser(batch), replicas, grad_reduction=grad_reduction) * self.global_batch_size / total \
-            if total else 0.0
-
     def combine_losses(self, losses: Sequence[tuple[float, float]]) -> float:
         """The loss of the samples of several pieces (``(loss, count)`` each, as ``loss_fn``
         returns it per piece, with its :meth:`normaliser`) as ``loss_fn`` would return it for

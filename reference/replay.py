@@ -84,6 +84,33 @@ def _load_optimizer_state(training: _Training, source: Record, step: int) -> Non
     optimizer.load_state_dict(state_dict)
 
 
+def _draw_replay(source: Record, step: int) -> Any:
+    """A :class:`~reference.draws.DrawReplay` of the draws ``source`` recorded at ``step``, or
+    None when it recorded none (a run without random ops, a reference)."""
+    from .draws import DrawReplay, RankDraws
+
+    s = source.step(step)
+    recorded = s.extra.get("draws")
+    if not recorded:
+        return None
+    layouts = {int(r.get("rank", i)): r for i, r in enumerate(source.meta.get("ranks", []))}
+    ranks = []
+    for rank_text, draws in sorted(recorded.items(), key=lambda kv: int(kv[0])):
+        rank = int(rank_text)
+        layout = layouts.get(rank, {})
+        # Within one replica the data-parallel coordinates agree: the mesh coordinates in mesh
+        # order give the peers' (tensor-parallel) order.
+        position = tuple((layout.get("mesh") or {}).values())
+        states = {d["state"]: source.aux(step, d["state"]) for d in draws if d.get("state") in s.aux}
+        ranks.append(RankDraws(rank, int(layout.get("dp_rank", 0)), position, s.rank_sample_ids.get(rank, []), list(draws), states))
+    replay = DrawReplay(ranks, step=step)
+    if any(layouts.get(r.rank, {}).get("stages") is not None for r in ranks):
+        replay.failed = "pipeline stages draw parts of the model's random numbers in their own order: not replayed"
+    elif s.extra.get("draws_overflowed"):
+        replay.failed = "a rank made more random draws in this step than the recorder keeps: not replayed"
+    return replay
+
+
 def replay_reference(
     case: Case,
     source: Record,
@@ -112,7 +139,17 @@ def replay_reference(
         rec = training.writer.step(step)
         if step > 0 and (lacking := _load_params(training, source, step - 1)):
             rec.extra["params_not_in_source"] = lacking
-        training.forward_backward(step, rec)
+        replay = _draw_replay(source, step) if variant.upcast is None else None
+        if replay is None:
+            training.forward_backward(step, rec)
+        else:
+            training.draw_replay = replay
+            try:
+                with replay:
+                    training.forward_backward(step, rec)
+            finally:
+                training.draw_replay = None
+            rec.extra["draw_replay"] = replay.report()
         case.clip_gradients(training.model.parameters())  # the recorded gradients are the clipped ones
         training.record_grads(step)
         if not apply_source_grads:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DistributedSampler
 
-from .case import Case, CaseError
+from .case import Batch, Case, CaseError, collate
 
-__all__ = ["global_batch_indices", "micro_batch_indices", "replica_micro_batch_indices"]
+__all__ = ["batch_weight", "global_batch_indices", "micro_batch_indices", "replica_micro_batch_indices", "step_normaliser"]
 
 
 def _epoch_and_offset(case: Case, step: int) -> tuple[int, int]:
@@ -75,3 +75,34 @@ def replica_micro_batch_indices(
     first = start // num_replicas
     mine = local[first : first + local_batch]
     return [mine[m * per_replica : (m + 1) * per_replica] for m in range(case.micro_batches)]
+
+
+def step_normaliser(case: Case, step: int) -> float:
+    """The total of :meth:`Case.normaliser` over ``step``'s global batch: its global batch size
+    without a ``loss_normaliser``, else its valid tokens (or whatever the normaliser counts)."""
+    if case.loss_normaliser is None:
+        return float(case.global_batch_size)
+    cache = case.__dict__.setdefault("_step_normalisers", {})  # frozen dataclass: a cache beside the fields
+    if step not in cache:
+        cache[step] = sum(case.normaliser(collate(case.dataset, idx, dtype=case.dtype, step=step))
+                          for idx in micro_batch_indices(case, step))
+    return cache[step]
+
+
+def batch_weight(case: Case, batch: Batch, replicas: int = 1, *, grad_reduction: str = "mean", step: int | None = None) -> float:
+    """:meth:`Case.loss_weight` for ``batch``: its samples' share of the global batch, or with a
+    ``loss_normaliser`` its count's share of the step's (``step`` defaults to the one the
+    harness collated the batch for)."""
+    if case.loss_normaliser is None:
+        return case.loss_weight(len(batch), replicas, grad_reduction=grad_reduction)
+    step = batch.step if step is None else step
+    if step is None:
+        raise CaseError(f"case {case.name!r} has a loss_normaliser: weighting a batch needs its step (collate it with "
+                        "step=..., or use run.batches(step))")
+    total = step_normaliser(case, step)
+    if not total:
+        return 0.0
+    # loss_weight with the batch's count for its samples and the step's for the global batch.
+    per_sync = case.loss_weight(1, replicas, grad_reduction=grad_reduction) * case.global_batch_size
+    per_loss = case.normaliser(batch) if case.loss_reduction == "mean" else 1.0
+    return per_loss * per_sync / total

@@ -24,7 +24,7 @@ from .record import (
     optimizer_param_groups,
     optimizer_state_items,
 )
-from .schedule import global_batch_indices, micro_batch_indices, replica_micro_batch_indices
+from .schedule import batch_weight, global_batch_indices, micro_batch_indices, replica_micro_batch_indices
 
 __all__ = [
     "NonFiniteReferenceError",
@@ -132,6 +132,7 @@ class _Training:
         self.dtype = variant.upcast or case.dtype
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
+        self.draw_replay: Any = None  # a reference.draws.DrawReplay while a step replays a run's draws
 
     @classmethod
     def open(
@@ -216,13 +217,15 @@ class _Training:
     def _forward_backward(self, step: int, rec: Any) -> None:
         case = self.case
         everything: list[tuple[float, float]] = []  # (micro-batch loss, its share of the step)
-        for micro in self.micro_batch_pieces(step):
+        for m, micro in enumerate(self.micro_batch_pieces(step)):
             pieces: list[tuple[float, float]] = []
             ids: list[int] = []
             for indices in micro:
                 if self.variant.reverse:
                     indices = indices[::-1]
                 batch = collate(case.dataset, indices, device=self.device, dtype=case.dtype, step=step)
+                if self.draw_replay is not None:
+                    self.draw_replay.begin_forward(m, batch.ids)
                 loss = case.compute_loss(case.call_model(self.model, self._cast(batch.inputs)), self._cast(batch.targets))
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise CaseError(
@@ -232,7 +235,7 @@ class _Training:
                 # One device weights each micro-batch by its share of the step; the per-replica
                 # reference weights each replica's piece by its samples, as averaging the
                 # replicas' gradients does whatever each loss is normalised by.
-                weight = case.loss_weight(len(batch)) if self.variant.replicas else case.batch_weight(batch, step=step)
+                weight = case.loss_weight(len(batch)) if self.variant.replicas else batch_weight(case, batch, step=step)
                 (loss * weight).backward()
                 pieces.append((loss.detach().item(), case.normaliser(batch)))
                 ids += batch.ids

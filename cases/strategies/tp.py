@@ -158,16 +158,22 @@ class TensorParallelStrategy(StrategyBase):
 
     name = "tp"
 
-    def __init__(self, plan: Plan | None = None, *, sum_grads: Sequence[str] = ()):
+    def __init__(self, plan: Plan | None = None, *, sum_grads: Sequence[str] = (), sharded_rng: Sequence[str] = ()):
         """``plan``: module names or fnmatch patterns -> ``ParallelStyle`` (or a function of the
         model returning that); default :func:`tensor_parallel_plan` for the bundled models.
 
         ``sum_grads``: fnmatch patterns of parameters the plan keeps replicated (plain tensors)
         whose gradients come from activations sharded over tp - the per-head q/k norms of Qwen3
         or OLMo under a head-sharding plan: each rank's gradient is a partial sum over its heads,
-        so they are all-reduced over the tensor-parallel group after backward."""
+        so they are all-reduced over the tensor-parallel group after backward.
+
+        ``sharded_rng``: fnmatch patterns of modules whose random draws fill tensors sharded over
+        tp (attention dropout over each rank's heads): they draw from a generator of each rank's
+        own (:class:`ShardedRegionRNG`, Megatron's model-parallel RNG tracker), so the ranks' heads
+        get different masks, as one device's heads do."""
         self._plan = plan
         self._sum_grads = tuple(sum_grads)
+        self._sharded_rng = tuple(sharded_rng)
 
     def forward_backward(self, case: Case, setup: RankSetup, micro_batches: list) -> list:
         losses = super().forward_backward(case, setup, micro_batches)
@@ -188,5 +194,40 @@ class TensorParallelStrategy(StrategyBase):
         model = case.build_model(ctx.device)
         mesh = dims.build_mesh(ctx.device.type)
         apply_tensor_parallel(model, mesh, self.plan(model))
+        patterns = getattr(self, "_sharded_rng", ())
+        if patterns:
+            ShardedRegionRNG(case.seed, mesh.get_local_rank()).attach(model, patterns)
         return RankSetup.on_mesh(case, ctx, model, dims, mesh)
 
+
+
+class ShardedRegionRNG:
+    """Megatron's model-parallel RNG tracker on the CPU generator: modules matching the given
+    patterns draw from a generator state of this tensor-parallel rank's own (seeded with
+    ``seed + 2718 + tp_rank``, Megatron's offset), everything else from the default generator
+    that every rank of the group shares. Regions whose tensors are sharded over tp (each rank's
+    heads) then get independent masks; replicated regions identical ones."""
+
+    OFFSET = 2718
+
+    def __init__(self, seed: int, tp_rank: int):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + self.OFFSET + tp_rank)
+            self.state = torch.get_rng_state()
+        self._saved: list[torch.Tensor] = []
+
+    def attach(self, model: nn.Module, patterns: Sequence[str]) -> None:
+        matched = [m for name, m in model.named_modules() if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+        if not matched:
+            raise ValueError(f"sharded_rng patterns {list(patterns)} match no module of {type(model).__name__}")
+        for module in matched:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self._saved.append(torch.get_rng_state())
+        torch.set_rng_state(self.state)
+
+    def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.state = torch.get_rng_state()
+        torch.set_rng_state(self._saved.pop())

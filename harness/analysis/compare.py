@@ -491,12 +491,7 @@ def compare(
         label=label or f"{actual.source} vs {reference.source}",
         steps=reference.num_steps, tolerance=policy.describe(),
     )
-    if reference.meta.get("dropout", {}).get("active"):
-        result.notes.append(
-            "the reference trained with dropout active "
-            f"({', '.join(reference.meta['dropout'].get('modules', []))}); values match only if "
-            "the parallel run draws the same masks"
-        )
+    result.notes += _randomness_notes(reference)
     if not actual.complete:
         result.notes.append(f"the parallel run's record is incomplete (it failed after {actual.num_steps} steps)")
     result.notes += [f"calibration: {why}" for why in result.tolerance.get("rejected", [])]
@@ -567,6 +562,27 @@ def _excuse_sign_noise(
                 "is within rounding of 0; an adaptive optimizer (AdamW) turns such a gradient into a +-lr step whose "
                 "sign is noise, so they are accepted"
             )
+
+
+def _randomness_notes(reference: Record) -> list[str]:
+    """What the reference did with the run's random numbers: replayed them (the stepwise
+    reference of a run that recorded its draws), could not (and why), or drew its own."""
+    replays = [(s.step, s.extra["draw_replay"]) for s in reference.steps if "draw_replay" in s.extra]
+    if replays:
+        failed = [(step, r["failed"]) for step, r in replays if r.get("failed")]
+        ops = sum(r.get("replayed", 0) for _, r in replays)
+        if not failed:
+            return [f"randomness replayed: the reference computed every step with the random numbers each rank drew "
+                    f"({ops} random ops over {len(replays)} steps, assembled along the layout)"]
+        step, why = failed[0]
+        return [f"randomness not replayed from step {step}: {why}; the reference drew its own random numbers from there "
+                "(values then match only if the ranks drew what one device draws)"]
+    dropout = reference.meta.get("dropout", {})
+    if dropout.get("active"):
+        return ["the reference trained with dropout active "
+                f"({', '.join(dropout.get('modules', []))}) and the run recorded no draws to replay; values match only "
+                "if the parallel run draws the same masks"]
+    return []
 
 
 def _check_reference_finite(reference: Record) -> None:

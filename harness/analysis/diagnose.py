@@ -716,14 +716,56 @@ class Analysis:
     # -- random draws ------------------------------------------------------------------------
 
     def _random_draws(self, found: list[Diagnosis]) -> list[Diagnosis]:
-        """``rng-desync`` from the ranks' fingerprinted random ops (harness.tracing.random_ops),
-        for a run that failed its comparison and has no cause named yet."""
-        if self.cmp.passed or self.trace is None or any(d.code in _ROOT_CODES for d in found):
+        """``rng-desync`` from the draws the reference replayed (reference.draws: which tensor
+        each random op filled, replicated or sharded over the tensor-parallel peers of a
+        replica, and whether the peers drew alike), judged whatever the comparison says; else,
+        for a run that failed its comparison, from the ranks' first-step fingerprints
+        (harness.tracing.random_ops)."""
+        if any(d.code in _ROOT_CODES for d in found):
+            return []
+        replays = [(s.step, s.extra["draw_replay"]) for s in self.ref.steps if "draw_replay" in s.extra]
+        if replays:
+            return self._judge_replayed_draws(replays)
+        if self.cmp.passed or self.trace is None:
             return []
         from harness.tracing.random_ops import check_random_ops
 
         draws = {rank: rt.random_ops for rank, rt in self.trace.ranks.items() if rt.random_ops}
         return check_random_ops(draws, self.layouts) if draws else []
+
+    def _judge_replayed_draws(self, replays: list[tuple[int, dict[str, Any]]]) -> list[Diagnosis]:
+        """TP peers of one replica must draw a replicated tensor alike (the same dropout mask on
+        the same activation), and a tensor sharded over them each from a generator of its own
+        (else every rank's heads or positions repeat the same mask)."""
+        from harness.tracing.random_ops import hooks_short
+
+        for step, replay in replays:
+            for op in replay.get("ops", []):
+                for replica in op.get("replicas", []):
+                    layout, alike, ranks = replica["layout"], replica["peers_drew_alike"], replica["ranks"]
+                    where = f"random op #{op['index']} of step {step} ({op['op']} {op['shape']}) at {hooks_short(op.get('call_site', ''))}"
+                    evidence = {"step": step, "draw": op["index"], "op": op["op"], "shape": op["shape"], "ranks": ranks,
+                                "layout": layout, "call_site": op.get("call_site", "")}
+                    if layout == "replicated" and not alike:
+                        return [Diagnosis(
+                            "rng-desync",
+                            f"{where}: the tensor-parallel ranks {ranks} of one replica drew a tensor they all hold whole "
+                            "with different random numbers - their generators are in different states",
+                            {**evidence, "likely_source": "the ranks of a tensor-parallel group seed or advance their RNG "
+                                                          "differently (e.g. seeding with the rank) where the activation is replicated"},
+                        )]
+                    if layout.startswith("sharded") and alike:
+                        return [Diagnosis(
+                            "rng-desync",
+                            f"{where}: the tensor is {layout} across the tensor-parallel ranks {ranks}, and every rank drew "
+                            "its own part from the same generator state, so each part repeats the same random pattern "
+                            "(the heads or positions on one rank reuse another's mask)",
+                            {**evidence, "likely_source": "one generator state for a region sharded over tensor parallelism",
+                             "fix": "draw sharded regions from a generator of each rank's own (Megatron's model-parallel RNG "
+                                    "tracker, torch.distributed.tensor's random ops on CUDA), replicated ones from a "
+                                    "generator all ranks of the group share"},
+                        )]
+        return []
 
     # -- activation probe ----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import torch
 from reference.cache import cached_noise_replay, cached_reference
 from reference.case import Case
 from reference.record import Record, dtype_from_str
+from reference.draws import forward_draws_random_numbers
 from reference.trainer import ReferenceVariant
 
 __all__ = [
@@ -191,23 +192,6 @@ def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
-
-def forward_draws_random_numbers(case: Case) -> bool:
-    """Whether the model's training forward consumes torch's RNG (dropout, as a module or as
-    ``F.dropout`` inside ``forward``): measured by running one micro-batch and watching the
-    generator's state, so no module type has to be known."""
-    from reference.case import collate
-    from reference.schedule import micro_batch_indices
-
-    with torch.random.fork_rng(devices=[]):
-        model = case.build_model("cpu")
-        batch = collate(case.dataset, micro_batch_indices(case, 0)[0], dtype=case.dtype)
-        torch.manual_seed(case.seed)
-        before = torch.get_rng_state()
-        with torch.no_grad():
-            case.call_model(model, batch.inputs)
-        return not torch.equal(before, torch.get_rng_state())
 
 
 def calibration_variants(case: Case) -> list[ReferenceVariant]:

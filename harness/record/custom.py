@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from reference.case import Batch, Case, collate, map_tensors
-from reference.schedule import replica_micro_batch_indices
+from reference.schedule import batch_weight, replica_micro_batch_indices
 
 from harness.record.gather import annotate_shard, rename_parameters
 from harness.parallel_dims import RankLayout
@@ -103,6 +103,7 @@ class CustomRun:
                 self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
                 source="custom", dst=self.dst, overwrite=True,
             )
+        self.recorder.start_draws()  # the loop's draws until before_step, for the reference to replay
 
     def _harness_phase(self) -> Any:
         import contextlib
@@ -147,7 +148,7 @@ class CustomRun:
             return self.case.loss_weight(batch, layout.dp_size, grad_reduction=grad_reduction)
         if batch.step is None and step is None:
             step = getattr(self, "_batches_step", None)
-        return self.case.batch_weight(batch, layout.dp_size, grad_reduction=grad_reduction, step=step)
+        return batch_weight(self.case, batch, layout.dp_size, grad_reduction=grad_reduction, step=step)
 
     def loss(
         self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int], *, normaliser: float | None = None
@@ -183,6 +184,7 @@ class CustomRun:
         """Collective: call just before ``optimizer.step()`` (records full gradients)."""
         rec = self._rec("before_step")
         self._step(step)
+        rec.stop_draws()  # inside the tracer's log: the modes are a stack
         if self.tracer is not None:
             self.tracer.log_random_ops(False)
         if self.probe is not None:
@@ -195,10 +197,17 @@ class CustomRun:
         rec = self._rec("after_step")
         with self._harness_phase():
             rec.after_step(step)
+        rec.start_draws()  # the next step's
         if self.tracer is not None:
             self.tracer.set_phase("train")
+
+    def stop_draws(self) -> None:
+        """Local: stop logging the loop's random draws (the loop ended, or raised)."""
+        if self.recorder is not None:
+            self.recorder.stop_draws()
 
     def finish(self, *, complete: bool = True) -> Any:
         if self.recorder is None:
             raise RecorderError("the custom train function never called run.watch(model, optimizer, layout)")
+        self.recorder.stop_draws()
         return self.recorder.finish(complete=complete)

@@ -105,6 +105,14 @@ class RankRecorder:
         self._expected = expected_param_names(case) if layout.stages is not None else None
         self._micro: dict[int, list[tuple[float | None, list[int]]]] = {}
         self._phase: dict[int, str] = {}
+        # What the ranks draw at each random op of each step, for the reference to replay
+        # (harness.record.draws); only for a model whose forward draws random numbers.
+        from reference.draws import forward_draws_random_numbers
+
+        from harness.record.draws import DrawLog
+
+        self.draw_log: DrawLog | None = DrawLog() if forward_draws_random_numbers(case) else None
+        self._drawing = False
         self.layouts: list[dict[str, Any]] = _all_gather_object({"rank": self.rank, **layout.to_json()})
         self.writer: RecordWriter | None = None
         if self.rank == dst:
@@ -129,6 +137,18 @@ class RankRecorder:
         return [self.model] if isinstance(self.model, nn.Module) else list(self.model)
 
     # -- hooks -------------------------------------------------------------------------------
+
+    def start_draws(self) -> None:
+        """Local: log this rank's random draws from now on (the training part of a step)."""
+        if self.draw_log is not None and not self._drawing:
+            self.draw_log.__enter__()
+            self._drawing = True
+
+    def stop_draws(self) -> None:
+        """Local: stop logging random draws (before the harness's own work)."""
+        if self.draw_log is not None and self._drawing:
+            self.draw_log.__exit__(None, None, None)
+            self._drawing = False
 
     def micro_batch(
         self, step: int, loss: torch.Tensor | float | None, sample_ids: Sequence[int], weight: float | None = None
@@ -211,14 +231,21 @@ class RankRecorder:
         names = {}
         for module in self._modules():
             names.update({id(p): n for n, p in reference_named_parameters(module)})
+        draws, overflowed = self.draw_log.take() if self.draw_log is not None else ([], False)
         mine = {
             "rank": self.rank,
             "dp_rank": self.layout.dp_rank,
             "holds_loss": self.layout.holds_loss,
             "micro": self._micro.pop(step, []),
             "param_groups": optimizer_param_groups(self.optimizer, names),
+            "draws": [(d.to_json(), d.state) for d in draws],
+            "draws_overflowed": overflowed,
         }
         self._write_step_info(step, _all_gather_object(mine))
+
+    def _write_draws(self, step: int, everyone: list[dict[str, Any]]) -> None:
+        if self.writer is not None:
+            _write_draws_of(self.writer, step, everyone)
 
     def _write_step_info(self, step: int, everyone: list[dict[str, Any]]) -> None:
         """On dst: the step's losses, sample ids and param groups from every rank's
@@ -253,10 +280,35 @@ class RankRecorder:
                 micro_entries.append((rec.micro_losses[-1], share))
         counted = sum(n for _, n in micro_entries)
         rec.loss = self.case.mean_loss(self.case.combine_losses(micro_entries), counted) if micro_entries and counted else None
+        self._write_draws(step, everyone)
         rec.param_groups = _merge_param_groups([r["param_groups"] for r in everyone])
         if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
             rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}
         self.writer.checkpoint()  # a run killed later still leaves these steps readable
+
+
+def _write_draws_of(writer: RecordWriter, step: int, everyone: list[dict[str, Any]]) -> None:
+    """Every rank's random draws of ``step`` into the record: per rank the ops
+    (``extra["draws"]``), their generator states as auxiliary tensors keyed by content."""
+    from harness.record.draws import state_key
+
+    rec = writer.step(step)
+    if not any(r.get("draws") for r in everyone):
+        return
+    stored: set[str] = set()
+    table: dict[str, list[dict[str, Any]]] = {}
+    for r in everyone:
+        entries = []
+        for info, state in r.get("draws", []):
+            key = state_key(state) if state is not None else None
+            if key is not None and key not in stored:
+                writer.add_aux(step, key, torch.frombuffer(bytearray(state), dtype=torch.uint8))
+                stored.add(key)
+            entries.append({**info, "state": key})
+        table[str(r["rank"])] = entries
+    rec.extra["draws"] = table
+    if any(r.get("draws_overflowed") for r in everyone):
+        rec.extra["draws_overflowed"] = True
 
 
 def _merge_param_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -52,6 +52,7 @@ class SimulatedRecorder(RankRecorder):
         self._expected = None
         self._micro: dict[int, list[tuple[dict[int, float | None], dict[int, list[int]]]]] = {}
         self._phase: dict[int, str] = {}
+        self.draw_log, self._drawing = None, False  # one process draws for every rank: nothing to replay
         self.layouts = [{"rank": r, **layouts[r].to_json()} for r in sorted(layouts)]
         self.writer = RecordWriter(
             path,
@@ -121,7 +122,7 @@ class SimulatedRecorder(RankRecorder):
         micro = self._micro.pop(step, [])
         everyone = [
             {"rank": r, "dp_rank": layout.dp_rank, "holds_loss": layout.holds_loss,
-             "micro": [(losses[r], ids[r]) for losses, ids in micro], "param_groups": param_groups}
+             "micro": [(losses[r], ids[r], float(len(ids[r]))) for losses, ids in micro], "param_groups": param_groups}
             for r, layout in sorted(self.layouts_by_rank.items())
         ]
         self._write_step_info(step, everyone)

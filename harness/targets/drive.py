@@ -117,7 +117,10 @@ def diagnose_on_rank(
     try:
         # Active while the loop runs, so a hang dump can tell the harness's collectives apart.
         with tracer:
-            target.train(ctx, run)
+            try:
+                target.train(ctx, run)
+            finally:
+                run.stop_draws()  # before the tracer's own log: dispatch modes are a stack
     except BaseException:
         if run.recorder is not None:
             run.finish(complete=False)

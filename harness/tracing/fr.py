@@ -39,6 +39,12 @@ def _torch_dir() -> str:
     return os.path.dirname(os.path.abspath(origin)) if origin else os.sep + "nonexistent-torch"
 
 
+def _in_site_packages(path: str) -> bool:
+    """Installed third-party code (a model library such as transformers) is the user's model,
+    not the standard library it sits beside."""
+    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+
+
 def is_library_frame(filename: str) -> bool:
     """True for frames of torch, the harness's own launcher or the standard library."""
     path = os.path.abspath(filename) if filename and not filename.startswith("<") else filename
@@ -47,7 +53,7 @@ def is_library_frame(filename: str) -> bool:
     return (
         path.startswith(_torch_dir() + os.sep)
         or is_harness_file(path)
-        or path.startswith(_STDLIB_DIR + os.sep)
+        or (path.startswith(_STDLIB_DIR + os.sep) and not _in_site_packages(path))
         or f"{os.sep}_pytest{os.sep}" in path
         or f"{os.sep}pluggy{os.sep}" in path
     )

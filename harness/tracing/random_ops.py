@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.codes import Diagnosis
 from harness.tracing import hooks
+from reference.draws import random_output
 
 __all__ = ["RandomDraw", "RandomOpLog", "check_random_ops", "draw_digest"]
 
@@ -60,22 +61,6 @@ def draw_digest(t: torch.Tensor) -> str:
     if data.dtype == torch.bool:
         data = data.to(torch.uint8)
     return hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-
-
-def random_output(func: Any, args: tuple, kwargs: Mapping[str, Any] | None, out: Any) -> Any:
-    """The tensor holding what a seeded op drew from the generator, for its fingerprint: the
-    mask of a dropout (its scaled output mixes in the data, which differs between the shards
-    of tensor-parallel peers that drew the same mask), the output of a pure draw (``rand``,
-    ``bernoulli_``). ``False``: the op drew nothing (attention with ``dropout_p == 0``, tagged
-    seeded because it could). None: it drew, but its random part is not separable (attention
-    dropout): recorded by op and shape only."""
-    name = str(func.overloadpacket.__name__)
-    if "scaled_dot_product" in name:
-        p = args[3] if len(args) > 3 else (kwargs or {}).get("dropout_p", 0.0)
-        return False if not p else None
-    if name == "native_dropout" and isinstance(out, (tuple, list)) and len(out) > 1:
-        return out[1]
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class RandomOpLog(TorchDispatchMode):
