@@ -85,6 +85,23 @@ def _check_finite(finite: bool, step: int, kind: str, name: str, case: Case) -> 
         )
 
 
+def step_gradients(case: Case, variant: ReferenceVariant, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and gradients of ``step``'s batch from the case's initial weights, computed as
+    ``variant`` computes them (its dtype, micro-batch split and order), nothing written: what the
+    calibration compares to tell a reordering from a change of meaning."""
+    from types import SimpleNamespace
+
+    with torch.random.fork_rng(devices=[]):
+        model = case.build_model("cpu")
+        if variant.upcast is not None:
+            model = cast_floating(model, variant.upcast)
+        training = _Training(case, variant, model, None, None, torch.device("cpu"))  # type: ignore[arg-type]
+        torch.manual_seed(case.seed)
+        rec = SimpleNamespace(micro_losses=[], micro_sample_ids=[], sample_ids=[], loss=None)
+        training.forward_backward(step, rec)
+    return float(rec.loss), {n: p.grad.detach().clone() for n, p in training.named if p.grad is not None}
+
+
 def train_reference(
     case: Case,
     path: str | os.PathLike[str],
@@ -202,7 +219,7 @@ class _Training:
 
         with UpcastFallback(self.variant.upcast, self.case.dtype) as mode:
             self._forward_backward(step, rec)
-        if mode.fell_back:
+        if mode.fell_back and self.writer is not None:
             known = set(self.writer.meta.get("upcast_fallback", []))
             self.writer.meta["upcast_fallback"] = sorted(known | mode.fell_back)
 

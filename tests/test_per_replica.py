@@ -88,8 +88,16 @@ def test_an_moe_router_loss_is_a_per_replica_statistic_until_declared(dist_ctx, 
     assert [d["code"] for d in undeclared["diagnoses"]] == ["per-replica-statistic"], undeclared
     dependence = undeclared["diagnoses"][0]["evidence"]["dependence"]
     assert "aux_loss" in dependence["output_fields"], dependence
-    declared = verdict(hf_case("qwen2-moe-router-loss", model_loss=True, steps=2, per_replica=("loss",)), "declared")
+    declared_case = hf_case("qwen2-moe-router-loss", model_loss=True, steps=2, per_replica=("loss",))
+    declared = verdict(declared_case, "declared")
     assert declared["verdict"] == "pass", declared
+    # A bug under the declaration keeps its own name.
+    from cases.bugs.double_averaged_ddp import DoubleAveragedDDP
+
+    run = run_and_diagnose(declared_case, DoubleAveragedDDP(), dist_ctx, workdir=tmp_path / "bug", cache=reference_cache)
+    out = [run.report.verdict.codes if dist_ctx.rank == 0 else None]
+    torch.distributed.broadcast_object_list(out, src=0)
+    assert out[0] == ["grad-double-averaged"], out
 
 
 def _bn_case(per_replica=()):

@@ -724,9 +724,12 @@ class Analysis:
         if any(d.code in _ROOT_CODES for d in found):
             return []
         replays = [(s.step, s.extra["draw_replay"]) for s in self.ref.steps if "draw_replay" in s.extra]
-        if replays:
-            return self._judge_replayed_draws(replays)
-        if self.cmp.passed or self.trace is None:
+        judged = self._judge_replayed_draws(replays) if replays else []
+        if judged:
+            return judged
+        # Fingerprints where the draws could not all be replayed (ranks out of step: one drew
+        # more or other numbers); a fully replayed run's draws have been judged above.
+        if self.cmp.passed or self.trace is None or (replays and not any(r.get("failed") for _, r in replays)):
             return []
         from harness.tracing.random_ops import check_random_ops
 
