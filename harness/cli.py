@@ -100,7 +100,9 @@ def _run_layout(plan: Any, json_path: str | None, echo: Any, *, all_ranks: bool 
     report = check_layout(plan, echo=echo)
     print(format_layout(report, all_ranks=all_ranks), flush=True)
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2, default=str))
+        from reference.files import write_atomic
+
+        write_atomic(json_path, json.dumps(report.to_json(), indent=2, default=str))
     return report
 
 
@@ -209,7 +211,9 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
     print(f"\nbundled {'simulated ' if args.simulate is not None else ''}demo: {len(rows)} targets in {time.monotonic() - started:.0f} s; reports in {out}/")
     for r in rows:
         print(f"  {'ok ' if r['ok'] else 'BAD'} {r['target']:<{width}}  expected {r['expected']:<28} got {r['verdict'].upper()} {' '.join(r['codes'])}")
-    (out / "index.json").write_text(json.dumps(rows, indent=2))
+    from reference.files import write_atomic
+
+    write_atomic(out / "index.json", json.dumps(rows, indent=2))
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)}/{len(rows)} named as expected" + (f"; wrong: {', '.join(r['target'] for r in bad)}" if bad else ""))
     return EXIT_PASS if not bad else EXIT_DIAGNOSIS

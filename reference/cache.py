@@ -14,6 +14,9 @@ import inspect
 import json
 import os
 import re
+import shutil
+import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -106,29 +109,58 @@ def case_fingerprint(
     return h.hexdigest()
 
 
+def _sound(path: Path, fingerprint: str) -> tuple[Record | None, str]:
+    """The complete, undamaged record at ``path`` with ``fingerprint``, or None and why not
+    ('' when there is nothing there)."""
+    if not path.exists():
+        return None, ""
+    try:
+        existing = Record.load(path)
+    except (RecordError, OSError) as exc:
+        return None, f"unreadable: {exc}"
+    if existing.meta.get("fingerprint") != fingerprint:
+        return None, "another fingerprint"
+    if not existing.complete:
+        return None, "incomplete"
+    problems = existing.verify()
+    if problems:
+        return None, problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+    return existing, ""
+
+
+def _discard(path: Path) -> None:
+    """Move ``path`` out of the way in one rename (a reader never sees it half deleted), then
+    delete it. Another process that moved it first wins; nothing to do then."""
+    aside = path.with_name(f".{path.name}.discarded-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _cached(path: Path, fingerprint: str, refresh: bool, train: Any) -> Record:
     """Load the complete record at ``path`` with ``fingerprint``, or ``train(path, overwrite)``
-    it. Safe when several processes ask at once: each trains into its own staging directory and
-    the first to finish publishes; the others load that record."""
-    if not refresh:
-        try:
-            existing = Record.load(path)
-        except RecordError:
-            existing = None
-        if existing is not None and existing.complete and existing.meta.get("fingerprint") == fingerprint:
-            return existing
-    overwrite = refresh or path.exists()
+    it. Every file of a cached entry is checked against the checksum it was written with
+    (:meth:`Record.verify`): a damaged, truncated, missing or incomplete entry is recomputed
+    with a notice on stderr, never used. Safe when several processes ask at once: each trains
+    into its own staging directory and publishes only where nothing sound is published yet (a
+    published entry is never replaced under its readers); the others load that one."""
+    existing, why = _sound(path, fingerprint) if not refresh else (None, "")
+    if existing is not None:
+        return existing
+    if why and why != "another fingerprint":
+        print(f"harness: the cached record {path} is not sound ({why}): recomputed, not used", file=sys.stderr)
+    if path.exists():
+        _discard(path)
     try:
-        return train(path, overwrite)
+        return train(path, False)
     except RecordError as exc:
-        # Another process may have published the same record while we trained: use theirs.
-        try:
-            existing = Record.load(path)
-        except RecordError:
-            raise exc from None
-        if existing.complete and existing.meta.get("fingerprint") == fingerprint:
+        # Another process published the same record while we trained: use theirs if sound.
+        existing, _ = _sound(path, fingerprint)
+        if existing is not None:
             return existing
-        raise
+        raise exc from None
 
 
 def _slug(case: Case) -> str:

@@ -2,23 +2,27 @@
 
 A record is a directory::
 
-    meta.json                          format, source, case, ranks, per-step losses, sample ids,
-                                       optimizer param groups and an index of every tensor
-    steps/0000/grad/<name>.pt          full gradient just before the optimizer step
-    steps/0000/param/<name>.pt         full parameter just after it
-    steps/0000/optim/<param>.<key>.pt  full optimizer state just after it
-    steps/0000/aux/<key>.pt            evidence beside the compared state (parallel runs: the
-                                       differing copies of a replicated tensor, the random
-                                       generators' states before each draw); never compared
+    meta.json                           format, source, case, ranks, per-step losses, sample ids,
+                                        optimizer param groups and an index of every tensor
+    steps/0000/grad/<name>.bin          full gradient just before the optimizer step
+    steps/0000/param/<name>.bin         full parameter just after it
+    steps/0000/optim/<param>.<key>.bin  full optimizer state just after it
+    steps/0000/aux/<key>.bin            evidence beside the compared state (parallel runs: the
+                                        differing copies of a replicated tensor, the random
+                                        generators' states before each draw); never compared
 
-Tensors are written with ``torch.save`` one file each and read back with
-``torch.load(weights_only=True)``, so a reader holds one tensor at a time. A record is written
-into a staging directory and renamed into place when finished, so a reader never sees half a
-record; a run that fails part way is still finished with ``complete: false``.
+Each tensor is one file of its raw bytes (C order); the index holds its shape, dtype, byte
+count and SHA-256, so a reader holds one tensor at a time, nothing is unpickled, and
+:meth:`Record.verify` tells a damaged, truncated or missing file from a good one (the reference
+cache never uses a damaged entry). Raw bytes, not ``torch.save``: its zip container cost a third
+of a small run's recording, and ``torch.load`` does not check the zip's checksums. A record is
+written into a staging directory and renamed into place when finished, so a reader never sees
+half a record; a run that fails part way is still finished with ``complete: false``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -50,7 +54,7 @@ __all__ = [
 ]
 
 RECORD_FORMAT = "harness-record"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: raw tensor files with their SHA-256 (1: torch.save files)
 KINDS: tuple[str, ...] = ("grad", "param", "optim")
 """Tensor kinds in a step, in the order they happen: gradients before the optimizer step,
 parameters and optimizer state after it."""
@@ -74,6 +78,13 @@ class TensorInfo:
     dtype: str
     finite: bool
     file: str
+    nbytes: int = -1  # the file's length (-1: not recorded)
+    sha256: str = ""  # of the file's bytes ("": not recorded)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TensorInfo":
+        return cls(shape=tuple(data["shape"]), dtype=data["dtype"], finite=data["finite"], file=data["file"],
+                   nbytes=int(data.get("nbytes", -1)), sha256=str(data.get("sha256", "")))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -137,17 +148,11 @@ class StepRecord:
             },
             param_groups=list(data.get("param_groups", [])),
             tensors={
-                kind: {
-                    n: TensorInfo(
-                        shape=tuple(i["shape"]), dtype=i["dtype"], finite=i["finite"], file=i["file"]
-                    )
-                    for n, i in entries.items()
-                }
+                kind: {n: TensorInfo.from_json(i) for n, i in entries.items()}
                 for kind, entries in data.get("tensors", {}).items()
             },
             extra=dict(data.get("extra", {})),
-            aux={k: TensorInfo(shape=tuple(i["shape"]), dtype=i["dtype"], finite=i["finite"], file=i["file"])
-                 for k, i in data.get("aux", {}).items()},
+            aux={k: TensorInfo.from_json(i) for k, i in data.get("aux", {}).items()},
         )
 
 
@@ -160,7 +165,35 @@ def _file_name(name: str) -> str:
     if not name:
         raise RecordError("tensor name must not be empty")
     # Percent-encoding keeps any name (even with '/') a single, reversible file name.
-    return urllib.parse.quote(name, safe="._-") + ".pt"
+    return urllib.parse.quote(name, safe="._-") + ".bin"
+
+
+def _tensor_bytes(data: torch.Tensor) -> bytes:
+    """A contiguous CPU tensor's raw bytes (any dtype, bfloat16 and bool included)."""
+    flat = data.reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _write_tensor(path: Path, rel: Path, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorInfo]:
+    """Write ``tensor`` under ``path / rel`` as raw bytes; its copy and index entry."""
+    data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+    raw = _tensor_bytes(data)
+    (path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (path / rel).write_bytes(raw)
+    finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
+    info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix(),
+                      nbytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    return data, info
+
+
+def _read_tensor(root: Path, info: TensorInfo) -> torch.Tensor:
+    raw = (root / info.file).read_bytes()
+    if info.nbytes >= 0 and len(raw) != info.nbytes:
+        raise RecordError(f"{root / info.file}: {len(raw)} bytes where the record wrote {info.nbytes} (truncated or replaced)")
+    dtype = dtype_from_str(info.dtype)
+    if not raw:
+        return torch.empty(info.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(info.shape)
 
 
 # Tensors a Record keeps after loading them (a comparison, the stepwise replay and the
@@ -261,7 +294,7 @@ class Record:
         cached = self._cache.get(info.file)
         if cached is not None:
             return cached.clone()
-        value = torch.load(self.path / info.file, map_location="cpu", weights_only=True)
+        value = _read_tensor(self.path, info)
         self._cache.put(info.file, value.clone())
         return value
 
@@ -270,7 +303,29 @@ class Record:
         info = self.step(step).aux.get(key)
         if info is None:
             raise RecordError(f"{self.path}: step {step} has no auxiliary tensor {key!r}")
-        return torch.load(self.path / info.file, map_location="cpu", weights_only=True)
+        return _read_tensor(self.path, info)
+
+    def verify(self) -> list[str]:
+        """What is wrong with the record's files: each tensor or auxiliary file that is missing,
+        of another length than written, or whose bytes' SHA-256 differs from the index (a
+        flipped byte); empty for a sound record. Reads every file once."""
+        problems = []
+        for s in self.steps:
+            infos = [*(i for entries in s.tensors.values() for i in entries.values()), *s.aux.values()]
+            for info in infos:
+                path = self.path / info.file
+                try:
+                    raw = path.read_bytes()
+                except OSError as exc:
+                    problems.append(f"{info.file}: missing ({type(exc).__name__})")
+                    continue
+                if info.nbytes >= 0 and len(raw) != info.nbytes:
+                    problems.append(f"{info.file}: {len(raw)} bytes, {info.nbytes} written (truncated)")
+                elif info.sha256 and hashlib.sha256(raw).hexdigest() != info.sha256:
+                    problems.append(f"{info.file}: its bytes differ from those written (checksum mismatch)")
+                elif not info.sha256:
+                    problems.append(f"{info.file}: no checksum recorded")
+        return problems
 
     def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.step(step).names(kind):
@@ -325,12 +380,7 @@ class RecordWriter:
         entries = self.step(step).tensors.setdefault(kind, {})
         if name in entries:
             raise RecordError(f"{kind} {name!r} recorded twice at step {step}")
-        rel = Path("steps") / f"{step:04d}" / kind / _file_name(name)
-        (self._staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-        torch.save(data, self._staging / rel)
-        finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
-        info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
+        data, info = _write_tensor(self._staging, Path("steps") / f"{step:04d}" / kind / _file_name(name), tensor)
         entries[name] = info
         self._written.put(info.file, data)
         return info
@@ -346,12 +396,7 @@ class RecordWriter:
         entries = self.step(step).aux
         if key in entries:
             raise RecordError(f"auxiliary tensor {key!r} recorded twice at step {step}")
-        rel = Path("steps") / f"{step:04d}" / "aux" / _file_name(key)
-        (self._staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-        torch.save(data, self._staging / rel)
-        finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
-        info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix())
+        _, info = _write_tensor(self._staging, Path("steps") / f"{step:04d}" / "aux" / _file_name(key), tensor)
         entries[key] = info
         return info
 

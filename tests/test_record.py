@@ -77,7 +77,7 @@ def test_names_keep_their_order_and_are_file_safe(tmp_path) -> None:
         writer.add_tensor(0, "param", n, torch.ones(1))
     record = writer.finish()
     assert record.step(0).names("param") == names
-    assert all(f.parent.name == "param" for f in (tmp_path / "r" / "steps" / "0000").rglob("*.pt"))
+    assert all(f.parent.name == "param" for f in (tmp_path / "r" / "steps" / "0000").rglob("*.bin"))
     assert record.tensor(0, "param", "a/b").item() == 1.0
 
 
@@ -148,3 +148,46 @@ def test_optimizer_state_names() -> None:
     w.grad = torch.ones(3)
     plain.step()
     assert list(optimizer_state_items(plain, [("w", w)])) == []
+
+
+def test_reports_and_traces_never_write_through_a_planted_link(tmp_path) -> None:
+    """A symbolic link planted at a predictable output path is replaced by the new file; the
+    file it pointed to is left as it was."""
+    import os
+
+    from reference.files import write_atomic
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "reports"
+    out.mkdir()
+    for name in ("report.html", "report.json", "trace.json", ".report.html.tmp"):
+        os.symlink(victim, out / name)
+    for name in ("report.html", "report.json", "trace.json"):
+        write_atomic(out / name, f"new {name}")
+        assert not (out / name).is_symlink() and (out / name).read_text() == f"new {name}"
+    assert victim.read_text() == "precious"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "report.html").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
+
+
+def test_html_json_and_chrome_trace_reports_use_the_link_safe_write(tmp_path) -> None:
+    import os
+
+    from cases import mlp_case
+    from harness.report.chrome_trace import write_chrome_trace
+    from harness.report.html import write_html
+    from harness.report.model import build_report
+    from harness.targets.target import Target
+
+    case = mlp_case()
+    report = build_report(target=Target(name="t", case=case), case=case, nproc=2, error="a run that never finished")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    for name, write in (("r.html", write_html), ("r.trace.json", write_chrome_trace), ("r.json", type(report).write_json)):
+        path = tmp_path / name
+        os.symlink(victim, path)
+        write(report, path)
+        assert not path.is_symlink() and path.stat().st_size > 0, name
+    assert victim.read_text() == "precious"

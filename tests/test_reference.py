@@ -352,3 +352,73 @@ def test_the_float64_rerun_runs_ops_without_a_float64_kernel_in_the_case_dtype(t
     with UpcastFallback(torch.float64, torch.float32) as mode:
         torch.ops.harness_test.no_f64_fill_(x)
     assert x.tolist() == [1.5, 1.5, 1.5] and x.dtype == torch.float64 and mode.fell_back == {"no_f64_fill_"}
+
+
+def _damage(record_dir, how: str) -> str:
+    """Damage one tensor file of a cached record ``how``; returns which file."""
+    files = sorted((record_dir / "steps").rglob("*.bin"))
+    target = next(f for f in files if f.parent.name == "grad")
+    if how == "truncated":
+        target.write_bytes(target.read_bytes()[:-3])
+    elif how == "deleted":
+        target.unlink()
+    elif how == "flipped":
+        data = bytearray(target.read_bytes())
+        for i in range(4):
+            data[4 + i] ^= 0x7F  # four data bytes: a value off by orders of magnitude, the length unchanged
+        target.write_bytes(bytes(data))
+    elif how == "meta":
+        (record_dir / "meta.json").write_text("{not json")
+    return target.name
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "flipped", "meta"])
+def test_a_damaged_cache_entry_is_recomputed_with_a_notice_never_used(tmp_path, capsys, how) -> None:
+    case = mlp_case(steps=1)
+    first = cached_reference(case, cache=tmp_path / "cache")
+    good = {n: first.tensor(0, "grad", n) for n in first.step(0).names("grad")}
+    _damage(first.path, how)
+    if how != "meta":
+        assert first.verify(), "the damage must be visible to verify()"
+    again = cached_reference(case, cache=tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert "is not sound" in err and "recomputed, not used" in err, err
+    assert again.verify() == []
+    for name, value in good.items():
+        assert torch.equal(again.tensor(0, "grad", name), value), name
+
+
+def test_the_notice_says_what_was_wrong(tmp_path, capsys) -> None:
+    case = mlp_case(steps=1)
+    first = cached_reference(case, cache=tmp_path / "cache")
+    _damage(first.path, "flipped")
+    cached_reference(case, cache=tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and "recomputed, not used" in err, err
+
+
+def test_two_processes_sharing_a_cache_never_read_a_half_written_entry(tmp_path) -> None:
+    """Several processes ask for the same uncached reference at once, twice over: each gets a
+    complete record whose every file matches its checksum, and the entry left behind is sound."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys, torch\n"
+        "from cases import mlp_case\n"
+        "from reference.cache import cached_reference\n"
+        "for _ in range(2):\n"
+        "    r = cached_reference(mlp_case(steps=2), cache=sys.argv[1])\n"
+        "    assert r.complete and r.verify() == [], r.verify()\n"
+        "    [r.tensor(s, k, n) for s in range(r.num_steps) for k in ('grad', 'param', 'optim') for n in r.step(s).names(k)]\n"
+        "print('ok')\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cache")], cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0 and out.strip() == "ok", err
+    final = cached_reference(mlp_case(steps=2), cache=tmp_path / "cache")
+    assert final.verify() == []

@@ -51,5 +51,6 @@ def chrome_trace(report: DiagnosisReport) -> dict[str, Any]:
 def write_chrome_trace(report: DiagnosisReport, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(report)))
-    return path
+    from reference.files import write_atomic
+
+    return write_atomic(path, json.dumps(chrome_trace(report)))

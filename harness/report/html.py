@@ -256,5 +256,6 @@ def render_html(report: DiagnosisReport) -> str:
 def write_html(report: DiagnosisReport, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(report), encoding="utf-8")
-    return path
+    from reference.files import write_atomic
+
+    return write_atomic(path, render_html(report))

@@ -90,8 +90,9 @@ class DiagnosisReport:
     def write_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2))
-        return path
+        from reference.files import write_atomic
+
+        return write_atomic(path, json.dumps(self.to_json(), indent=2))
 
 
 def _collectives(trace: Any) -> dict[str, Any] | None:

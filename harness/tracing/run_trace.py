@@ -206,9 +206,9 @@ class RunTrace:
         """Write the trace as JSON at ``path`` (atomically: a reader never sees half a file)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), default=_json_default))
-        os.replace(tmp, path)
+        from reference.files import write_atomic
+
+        write_atomic(path, json.dumps(self.to_json(), default=_json_default))
         self.path = str(path)
         return path
 

@@ -390,10 +390,9 @@ class Tracer:
         rt = self.finish(complete=False) if self._finished is None else self._finished
         path = Path(directory) / f"rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(rt.to_json(), default=_json_default))
-        os.replace(tmp, path)
-        return path
+        from reference.files import write_atomic
+
+        return write_atomic(path, json.dumps(rt.to_json(), default=_json_default))
 
 
 def _group_name(pg: Any) -> str:
