@@ -55,3 +55,90 @@ def test_a_local_function_is_refused(rank_runner) -> None:
 
     with pytest.raises(TypeError, match="module-level function"):
         rank_runner.run(local, nproc=2)
+
+
+def test_a_local_process_that_connects_and_sends_nothing_cannot_hold_the_start_up(monkeypatch) -> None:
+    """While a pool starts, another local process connects to its port first: one that sends
+    nothing, one that sends half a length header, one that announces an oversized frame. Each is
+    dropped without delaying the ranks' handshakes (it used to hold the start-up until the
+    whole start-up deadline, here 60 s, and the pool failed)."""
+    import socket
+
+    from harness.launch import pool as pool_module
+    from harness.launch.pool import PoolConfig, PoolManager
+    from harness.launch.remote import RankRunner
+
+    intruders: list[socket.socket] = []
+    real_create_server = socket.create_server
+
+    def create_server(address, *args, **kwargs):
+        server = real_create_server(address, *args, **kwargs)
+        port = server.getsockname()[1]
+        for payload in (b"", b"\x00\x00", b"\x7f\xff\xff\xff"):
+            client = socket.create_connection(("127.0.0.1", port))
+            if payload:
+                client.sendall(payload)
+            intruders.append(client)  # held open, silent, for the whole start
+        return server
+
+    monkeypatch.setattr(pool_module.socket, "create_server", create_server)
+    manager = PoolManager(PoolConfig(startup_timeout=60.0))
+    try:
+        with RankRunner(manager) as runner:
+            result = runner.run(summed, nproc=2, kwargs={"x": 1}, timeout=60)
+        assert [result.values[r]["sum"] for r in (0, 1)] == [3, 3]
+    finally:
+        manager.close()
+        for client in intruders:
+            client.close()
+    assert len(intruders) == 3
+
+
+_BUILD = ("end=$((SECONDS + {seconds})); n=0; while [ $SECONDS -lt $end ]; do "
+          "{python} -c 'import time; t = time.process_time()\nwhile time.process_time() - t < 0.3: pass'; n=$((n+1)); done; echo $n")
+
+
+def runs_a_build(ctx, seconds: float) -> int:
+    """Like a framework JIT-building its extension at init: a build driver (here a shell loop,
+    ninja in life) runs one short compute-bound compiler after another and reaps each, while
+    the rank itself only waits for the driver."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(["bash", "-c", _BUILD.format(seconds=int(seconds), python=sys.executable)],
+                         check=True, capture_output=True, text=True)
+    dist.barrier()
+    return int(out.stdout.strip())
+
+
+def test_a_rank_building_in_subprocesses_longer_than_the_stall_window_is_not_hung() -> None:
+    """Progress is CPU time of the rank's process tree, the children its descendants have
+    reaped included: the compilers a build driver runs and reaps one after another count (they
+    used to vanish from it, so a rank building an extension for longer than the stall window
+    was killed as hung, and its build lock stayed behind)."""
+    from harness.launch.remote import RankRunner
+
+    with RankRunner(stall_window=2.0) as runner:
+        result = runner.run(runs_a_build, nproc=2, kwargs={"seconds": 6.0}, timeout=120)
+    assert all(count >= 3 for count in result.values.values()), result.values
+
+
+def test_cpu_seconds_counts_the_children_a_process_has_reaped(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from harness.launch import procs
+
+    flag = tmp_path / "done"
+    driver = subprocess.Popen(["bash", "-c", f"{sys.executable} -c 'import time; t = time.process_time()\n"
+                               f"while time.process_time() - t < 0.5: pass'; touch {flag}; sleep 30"])
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists()
+        assert procs.cpu_seconds(driver.pid) >= 0.4  # the reaped child's CPU, though no child is alive
+    finally:
+        driver.kill()
+        driver.wait()

@@ -15,6 +15,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,10 @@ STALL_CPU_FRACTION = 0.01
 STALL_SAMPLE_S = 1.0
 # How many dump_timeouts a rank still working on its dump may take to answer (see RankPool.dump).
 DUMP_PATIENCE = 6
+# A rank connects and sends its handshake in one go; an accepted connection that has not sent a
+# whole one this long after it was accepted is not a rank (see RankPool._accept).
+HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_MAX_BYTES = 64
 
 
 @dataclass
@@ -291,9 +296,10 @@ class _StallWatch:
             return False
         if now - self.last_sample >= STALL_SAMPLE_S:
             self.last_sample = now
+            used_now = procs.cpu_seconds_of([self.pids[rank] for rank in running])
             for rank in running:
                 history = self.samples[rank]
-                history.append((now, procs.cpu_seconds(self.pids[rank])))
+                history.append((now, used_now[self.pids[rank]]))
                 while len(history) > 2 and history[1][0] <= now - self.window:
                     history.pop(0)  # keep one sample at or before the window's start
         for rank in running:
@@ -390,37 +396,83 @@ class RankPool:
         return _Rank(rank, proc, log_path)
 
     def _accept(self, server: socket.socket, token: bytes, deadline: float) -> None:
+        """Take the ranks' task and control connections. Every accepted connection is read
+        without blocking, side by side with the others and with new ones, and one that has not
+        sent a complete, valid handshake within HANDSHAKE_TIMEOUT_S is dropped: a local process
+        that connects and sends nothing (or half a header) cannot hold the start-up up."""
         wanted = {(r.rank, role) for r in self.ranks for role in (HANDSHAKE_TASK, HANDSHAKE_CONTROL)}
-        while wanted:
-            self._check_started_alive("connecting to the launcher")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PoolStartError(self._startup_timeout_message("connecting to the launcher"))
-            readable, _, _ = select.select([server], [], [], min(remaining, 0.2))
-            if not readable:
-                continue
-            sock, _addr = server.accept()
-            sock.setblocking(True)
-            conn = Connection(sock.detach())
-            try:
-                if not conn.poll(max(0.1, deadline - time.monotonic())):
-                    raise EOFError("no handshake")
-                hello = conn.recv_bytes(64)
-            except (OSError, EOFError):
-                conn.close()
-                continue
-            if not hello.startswith(token):
-                conn.close()  # not one of ours
-                continue
-            role, rank = hello[len(token) : len(token) + 4], int(hello[len(token) + 4 :])
-            if (rank, role) not in wanted:
-                conn.close()
-                continue
-            wanted.discard((rank, role))
-            if role == HANDSHAKE_TASK:
-                self.ranks[rank].task = conn
-            else:
-                self.ranks[rank].control = conn
+        pending: dict[socket.socket, tuple[bytearray, float]] = {}
+        server.setblocking(False)
+        try:
+            while wanted:
+                self._check_started_alive("connecting to the launcher")
+                now = time.monotonic()
+                if deadline - now <= 0:
+                    raise PoolStartError(self._startup_timeout_message("connecting to the launcher"))
+                for sock, (_, since) in list(pending.items()):
+                    if now - since > HANDSHAKE_TIMEOUT_S:
+                        pending.pop(sock)
+                        sock.close()
+                readable, _, _ = select.select([server, *pending], [], [], min(deadline - now, 0.2))
+                for sock in readable:
+                    if sock is server:
+                        try:
+                            client, _addr = server.accept()
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        client.setblocking(False)
+                        pending[client] = (bytearray(), time.monotonic())
+                        continue
+                    hello = self._read_hello(sock, pending)
+                    if hello is None:
+                        continue
+                    pending.pop(sock)
+                    if not hello.startswith(token) or len(hello) <= len(token) + 4 \
+                            or not hello[len(token) + 4:].isdigit():
+                        sock.close()  # not one of ours
+                        continue
+                    role, rank = hello[len(token) : len(token) + 4], int(hello[len(token) + 4 :])
+                    if (rank, role) not in wanted:
+                        sock.close()
+                        continue
+                    wanted.discard((rank, role))
+                    sock.setblocking(True)
+                    conn = Connection(sock.detach())
+                    if role == HANDSHAKE_TASK:
+                        self.ranks[rank].task = conn
+                    else:
+                        self.ranks[rank].control = conn
+        finally:
+            for sock in pending:
+                sock.close()
+
+    @staticmethod
+    def _read_hello(sock: socket.socket, pending: dict[socket.socket, tuple[bytearray, float]]) -> bytes | None:
+        """Read what ``sock`` has of its handshake (a ``Connection.send_bytes`` frame: a 4-byte
+        big-endian length, then the bytes); the hello once complete, else None (a connection that
+        closes or announces more than a hello can be is dropped)."""
+        buffer, _ = pending[sock]
+        try:
+            chunk = sock.recv(HANDSHAKE_MAX_BYTES + 4 - len(buffer))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:
+            pending.pop(sock)
+            sock.close()
+            return None
+        buffer += chunk
+        if len(buffer) < 4:
+            return None
+        size = struct.unpack("!i", bytes(buffer[:4]))[0]
+        if not 0 < size <= HANDSHAKE_MAX_BYTES:
+            pending.pop(sock)
+            sock.close()
+            return None
+        if len(buffer) < 4 + size:
+            return None
+        return bytes(buffer[4 : 4 + size])
 
     def _check_started_alive(self, phase: str) -> None:
         for r in self.ranks:

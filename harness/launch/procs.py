@@ -84,9 +84,10 @@ def _children_map() -> dict[int, list[int]]:
     return children
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (children first), read from /proc."""
-    tree = _children_map()
+def descendants(pid: int, tree: dict[int, list[int]] | None = None) -> list[int]:
+    """All live descendants of ``pid`` (children first), read from /proc (or ``tree``, a
+    :func:`_children_map` already read)."""
+    tree = _children_map() if tree is None else tree
     found: list[int] = []
     stack = [pid]
     while stack:
@@ -105,15 +106,24 @@ def _cpu_of(pid: int) -> float:
             fields = fh.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return 0.0
-    # After the ")" of the command name: state is field 3, utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    # After the ")" of the command name: state is field 3, utime and stime are fields 14 and 15,
+    # cutime and cstime (the children it has waited for: a compiler it ran and reaped) 16 and 17.
+    return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / _CLOCK_TICKS
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time used so far by ``pid`` and its live descendants (all threads), from /proc: how
-    a rank shows progress whatever it is doing - computing, or not (blocked in a collective,
-    sleeping, waiting on a lock)."""
-    return _cpu_of(pid) + sum(_cpu_of(child) for child in descendants(pid))
+def cpu_seconds(pid: int, tree: dict[int, list[int]] | None = None) -> float:
+    """CPU time used so far by ``pid``, its live descendants (all threads) and the children they
+    have reaped, from /proc: how a rank shows progress whatever it is doing - computing itself,
+    or in a subprocess (a framework building its C++ extension with ninja / g++), or not
+    (blocked in a collective, sleeping, waiting on a lock). ``tree``: a children map read once
+    for several calls."""
+    return _cpu_of(pid) + sum(_cpu_of(child) for child in descendants(pid, tree))
+
+
+def cpu_seconds_of(pids: list[int]) -> dict[int, float]:
+    """:func:`cpu_seconds` of each of ``pids``, from one read of the process table."""
+    tree = _children_map()
+    return {pid: cpu_seconds(pid, tree) for pid in pids}
 
 
 def kill_tree(pid: int) -> None:
