@@ -26,7 +26,12 @@ from typing import Any
 from harness import is_harness_file
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-RANK_FR_BUFFER = "20000"  # entries per rank: the launcher sets it before the process group exists
+# Entries per rank; the launcher sets it before the process group exists (a user's own
+# TORCH_FR_BUFFER_SIZE wins). A dump costs time in proportion to the entries held, and a warm
+# pool's buffer fills with earlier tests' collectives: 20000 entries took 0.5 s a dump, several
+# per test and rank. The tracer reads the buffer often enough to keep a quarter of it free
+# between reads, and notes a loss should a single step issue more.
+RANK_FR_BUFFER = "4000"
 
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
