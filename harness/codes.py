@@ -14,6 +14,7 @@ __all__ = ["CODES", "Diagnosis", "UnknownCodeError", "jsonable"]
 CODES: dict[str, str] = {
     "duplicate-samples": "two data-parallel replicas consumed the same sample in one epoch",
     "dropped-samples": "samples that should have been consumed in the epoch were not",
+    "batch-size-mismatch": "an optimizer step consumed another number of samples than the case's global batch (the loop's accumulation or batch size differs from the case's)",
     "inconsistent-replica-inputs": "ranks that must see the same batch (one TP group, one pipeline) saw different ones",
     "grad-double-averaged": "gradients are reference / world size: averaged twice",
     "grad-not-averaged": "gradients are reference x N: summed, never averaged",

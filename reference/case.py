@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -39,10 +39,11 @@ class CaseError(ValueError):
     """The case cannot be trained or compared as given (the message says what and why)."""
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     """One dataset item. ``id`` is stable and unique within the dataset; it is what the
-    harness records to prove which samples each rank consumed.
+    harness records to prove which samples each rank consumed. A named tuple, so that
+    ``torch.utils.data.default_collate`` stacks a list of them into one ``Sample`` of batched
+    ``id``, ``input`` and ``target`` (a framework's own ``DataLoader`` needs no collate_fn).
 
     ``input`` is a tensor, or a dict of tensors (``input_ids``, ``attention_mask``,
     ``labels``, ...: the model is then called with keyword arguments), or a tuple of them

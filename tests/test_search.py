@@ -311,6 +311,7 @@ def test_own_seed(config):
 """
 
 
+@pytest.mark.slow  # 13 s: two pytest subprocesses with Hypothesis
 def test_hypothesis_seed_reproduces_the_configs_in_a_new_process(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_seeded=SEEDED)
     runs = [pytester.runpytest_subprocess("-s", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=7") for _ in range(2)]

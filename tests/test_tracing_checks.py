@@ -285,3 +285,22 @@ def test_collective_sequences_are_aligned_so_an_extra_collective_is_named_with_i
     assert d.evidence["extra_on_ranks"] == [0] and d.evidence["absent_ranks"] == [1]
     assert d.evidence["call_site"] == "loop.py:31 in found_inf"
     assert "which rank 1 never issued" in d.summary
+
+
+def test_steps_cut_from_the_reference_sequence_at_another_size_are_batch_size_mismatch() -> None:
+    """The reference's samples consumed in order, none twice or skipped, but in steps of
+    another size: batch-size-mismatch. Counts changed by a sampler that duplicates or drops
+    samples are those checks' findings, never this one."""
+    from harness.tracing.samples import check_sample_ids
+
+    expected = {0: [0, 1, 2, 3, 4, 5, 6, 7], 1: [8, 9, 10, 11, 12, 13, 14, 15]}
+    replica = {0: 0, 1: 1}
+    twice = {0: {0: [[0, 1], [4, 5], [8, 9], [12, 13]]}, 1: {0: [[2, 3], [6, 7], [10, 11], [14, 15]]}}
+    [d] = check_sample_ids(twice, replica, expected)
+    assert d.code == "batch-size-mismatch" and d.evidence["consumed"] == 16 and d.evidence["micro_batches_per_replica"] == {"0": 4, "1": 4}
+    halved = {0: {0: [[0, 1]], 1: [[4, 5]]}, 1: {0: [[2, 3]], 1: [[6, 7]]}}
+    assert [d.code for d in check_sample_ids(halved, replica, expected)] == ["batch-size-mismatch"]
+    truncated = {0: {0: [[0, 1], [4]], 1: [[8, 9], [12]]}, 1: {0: [[2, 3], [6]], 1: [[10, 11], [14]]}}
+    assert "batch-size-mismatch" not in [d.code for d in check_sample_ids(truncated, replica, expected)]
+    duplicated = {r: {0: [[0, 1, 2, 3], [4, 5, 6, 7]]} for r in (0, 1)}
+    assert "batch-size-mismatch" not in [d.code for d in check_sample_ids(duplicated, replica, expected)]

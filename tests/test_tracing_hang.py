@@ -216,6 +216,7 @@ def test_a_rank_that_gloo_aborts_still_names_its_collective_from_its_journal(ran
     assert "rank 0 last collectives (from its journal)" in report
 
 
+@pytest.mark.slow  # 14 s: a rank blocked in C for longer than the dump wait
 def test_a_rank_holding_the_gil_in_c_still_shows_its_python_stack(rank_runner) -> None:
     """Rank 1 sleeps in C with the GIL held, so its control thread cannot answer the dump:
     faulthandler's stack (asked for with SIGUSR1) is in the report, not an empty one, though

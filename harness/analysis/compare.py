@@ -498,6 +498,13 @@ def compare(
     if not actual.complete:
         result.notes.append(f"the parallel run's record is incomplete (it failed after {actual.num_steps} steps)")
     result.notes += [f"calibration: {why}" for why in result.tolerance.get("rejected", [])]
+    if renamed := actual.meta.get("renamed_by_prefix"):
+        strip, add = renamed["strip"], renamed["add"]
+        how = f"without the prefix {strip!r}" if strip else f"with the prefix {add!r}"
+        result.notes.append(
+            f"parameter names: every name of the run differs from the reference's by one prefix ({how}), shapes one to "
+            "one; compared under the reference's names (declare run.watch(..., names=...) to say so yourself)"
+        )
 
     expected_structure, actual_structure = _structure(reference), _structure(actual)
     # DeepDiff only where the structures differ: on identical ones it costs a third of a comparison.

@@ -54,7 +54,7 @@ _FACTOR_RTOL = 0.03  # two factors are "the same" within 3%
 # tensors are consequences, not a separate numeric-mismatch.
 _ROOT_CODES = frozenset(
     {
-        "duplicate-samples", "dropped-samples", "inconsistent-replica-inputs", "swapped-mesh-dims",
+        "duplicate-samples", "dropped-samples", "batch-size-mismatch", "inconsistent-replica-inputs", "swapped-mesh-dims",
         "collective-mismatch", "collective-missing", "pp-stage-coverage", "tp-partial-sum", "rng-desync",
         "state-structure", "shard-layout", "per-replica-statistic",
     }

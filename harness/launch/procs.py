@@ -173,13 +173,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+LONG_LINE = 300  # a tail's line is cut to this many characters
+
+
 def tail_of(path: str, limit: int = 4000) -> str:
-    """The last ``limit`` bytes of a log file, decoded; '' when it cannot be read."""
+    """The last ``limit`` characters of a log file, decoded, each line cut to ``LONG_LINE``
+    (a crashing interpreter's one-line list of extension modules would otherwise fill the
+    tail and push out its last words); '' when it cannot be read."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             size = fh.tell()
-            fh.seek(max(0, size - limit))
-            return fh.read().decode(errors="replace")
+            fh.seek(max(0, size - 4 * limit))
+            text = fh.read().decode(errors="replace")
     except OSError:
         return ""
+    lines = [line if len(line) <= LONG_LINE else f"{line[:LONG_LINE]} ... ({len(line) - LONG_LINE} more characters)"
+             for line in text.split("\n")]
+    return "\n".join(lines)[-limit:]

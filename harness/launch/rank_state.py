@@ -131,6 +131,33 @@ def release_test_groups() -> None:
         dtensor_random._rng_tracker = None
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+    _release_framework_groups()
+
+
+def _release_framework_groups() -> None:
+    """Frameworks keep the groups a test built in module globals and singletons; on a warm
+    rank the next test would get destroyed groups from them ("Group ... is not registered").
+    Each is reset to what a fresh process has (only for frameworks already imported)."""
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    if ds_groups is not None:
+        for name, value in list(vars(ds_groups).items()):
+            if name.startswith("_") and name.isupper() or name == "mesh_device":
+                if isinstance(value, dict):
+                    setattr(ds_groups, name, {})
+                elif value is not None and not isinstance(value, (str, int, float, bool)):
+                    setattr(ds_groups, name, None)
+                elif name.startswith("_MPU_"):
+                    setattr(ds_groups, name, None)
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None:
+        ds_comm.cdb = None
+    megatron_state = sys.modules.get("megatron.core.parallel_state")
+    if megatron_state is not None and megatron_state.model_parallel_is_initialized():
+        megatron_state.destroy_model_parallel()
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        accelerate_state.AcceleratorState._reset_state(True)
+        accelerate_state.GradientState._reset_state()
 
 
 def group_count() -> int:

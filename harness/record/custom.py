@@ -37,7 +37,7 @@ from torch import nn
 from reference.case import Batch, Case, collate, map_tensors
 from reference.schedule import batch_weight, replica_micro_batch_indices
 
-from harness.record.gather import annotate_shard, rename_parameters
+from harness.record.gather import annotate_shard, rename_parameters, set_layout_group
 from harness.parallel_dims import RankLayout
 from harness.record.recorder import RankRecorder, RecorderError
 
@@ -61,26 +61,53 @@ class CustomRun:
         self.layout: RankLayout | None = None
         self.model: Any = None
         self.probe: Any = None  # harness.record.probe.ActivationProbe once watch() was called
+        self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
 
     @property
     def steps(self) -> int:
         return self.case.steps
 
+    @property
+    def step(self) -> int:
+        """The step being trained now: the number of optimizer steps :meth:`watch`'s
+        ``hook_step=True`` has seen (for loops that do not count their own)."""
+        return self._hooked_steps
+
+    @property
+    def done(self) -> bool:
+        """True once ``hook_step`` saw :attr:`steps` optimizer steps: stop the loop there."""
+        return self._hooked_steps >= self.case.steps
+
     def watch(
         self,
-        model: nn.Module | Sequence[nn.Module],
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module] | Any,
+        optimizer: torch.optim.Optimizer | Any = None,
         layout: RankLayout | None = None,
         *,
         names: Mapping[str, str] | Callable[[str], str] | None = None,
+        hook_step: bool = False,
     ) -> None:
         """Collective: record ``model``/``optimizer`` from now on. ``layout`` says which
         data-parallel replica / pipeline stage / mesh coordinate this rank is (default: plain
         data parallelism over every rank). ``names``: where your parameter names differ from
         the reference model's, a mapping ``{"up_w": "up.weight"}`` or a function of the name
-        (:func:`harness.record.gather.rename_parameters`)."""
+        (:func:`harness.record.gather.rename_parameters`).
+
+        Framework objects are taken as the framework returns them: a wrapped module (DDP,
+        Fabric, accelerate, compile, checkpoint wrappers), a wrapped optimizer, or a DeepSpeed
+        engine alone (its ZeRO partitions read through DeepSpeed's own accessors).
+        ``hook_step=True``: the harness records at the framework's own optimizer step (torch's
+        step hooks; DeepSpeed's ZeRO step), so the loop calls neither :meth:`before_step` nor
+        :meth:`after_step`; it passes :attr:`step` to :meth:`loss` and stops at :attr:`done`."""
         if self.recorder is not None:
             raise RecorderError("run.watch() was called twice; call it once, after building the model and optimizer")
+        from harness.record.frameworks import hook_step as install_step_hooks
+        from harness.record.frameworks import watched_objects
+
+        handed = model
+        model, optimizer, reader = watched_objects(model, optimizer)
+        if optimizer is None:
+            raise RecorderError("run.watch(model, optimizer, layout): give the optimizer (or a DeepSpeed engine, which holds it)")
         if names is not None:
             for module in [model] if isinstance(model, nn.Module) else list(model):
                 rename_parameters(module, names)
@@ -101,9 +128,33 @@ class CustomRun:
         with self._harness_phase():
             self.recorder = RankRecorder(
                 self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
-                source="custom", dst=self.dst, overwrite=True,
+                source="custom", dst=self.dst, overwrite=True, reader=reader,
             )
+        self._build_layout_groups()
+        if hook_step:
+            install_step_hooks(handed, optimizer if reader is None else None, self._hooked_before, self._hooked_after)
         self.recorder.start_draws()  # the loop's draws until before_step, for the reference to replay
+
+    def _hooked_before(self) -> None:
+        if not self.done:
+            self.before_step(self._hooked_steps)
+
+    def _hooked_after(self) -> None:
+        if not self.done:
+            self.after_step(self._hooked_steps)
+            self._hooked_steps += 1
+
+    def _build_layout_groups(self) -> None:
+        """Collective: the process groups of the layout's "tp" dim, for shards declared
+        without a group (every rank takes part; each keeps its own)."""
+        assert self.recorder is not None
+        groups = [tuple(entry["groups"]["tp"]) for entry in self.recorder.layouts if "tp" in entry.get("groups", {})]
+        if len(groups) != len(self.recorder.layouts) or all(len(g) == 1 for g in groups):
+            return
+        import torch.distributed as dist
+
+        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in dict.fromkeys(groups)])
+        set_layout_group("tp", mine)
 
     def _harness_phase(self) -> Any:
         import contextlib
@@ -177,7 +228,10 @@ class CustomRun:
 
     def shard(self, tensor: torch.Tensor, dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
         """Declare a hand-sharded tensor: this rank holds its slice along ``dim`` among the
-        ranks of ``group`` (in group-rank order)."""
+        ranks of ``group`` (in group-rank order); without a group (or mesh), the layout's
+        ``"tp"`` group, which :meth:`watch` builds."""
+        if group is None and kwargs.get("mesh") is None:
+            group = "tp"
         return annotate_shard(tensor, dim=dim, group=group, **kwargs)
 
     def before_step(self, step: int) -> None:

@@ -11,9 +11,10 @@ Layouts handled:
 - pipeline stages: each rank declares its stage; the union over stages is taken, and a name
   held by two stages or by none (:class:`StageCoverageError`) is an error.
 
-Wrapper prefixes (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, activation
-checkpointing's ``_checkpoint_wrapped_module.``, FSDP1's ``_fsdp_wrapped_module.``) are
-removed by walking the module tree, the same rule as ``torch.distributed.checkpoint``'s FQNs.
+Wrapper prefixes (DDP's and DeepSpeed's ``module.``, ``torch.compile``'s ``_orig_mod.``,
+activation checkpointing's ``_checkpoint_wrapped_module.``, FSDP1's ``_fsdp_wrapped_module.``,
+Lightning Fabric's ``_forward_module.``: :data:`WRAPPER_ATTRS`) are removed by walking the
+module tree, the same rule as ``torch.distributed.checkpoint``'s FQNs.
 
 :class:`GatheredTensors` is a collective iterator: every rank of the default group iterates it
 in the same order; ``dst`` receives each full tensor (others get ``None``), so memory stays
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +53,6 @@ __all__ = [
     "tensor_digest",
 ]
 
-_SPEC_ATTR = "_harness_shard_spec"
 STATE_KINDS = ("grad", "param", "optim")
 
 
@@ -73,28 +74,28 @@ class StageCoverageError(GatherError):
 # -- reference names -----------------------------------------------------------------------
 
 
+# Wrapper classes of the frameworks people train with, by class name (anywhere in the MRO, so
+# subclasses such as DeepSpeed's PipelineEngine count) -> the attribute holding the user's
+# module. Names, not imports: a framework that is not installed costs nothing, and any module
+# path (torch's or Megatron-Core's DistributedDataParallel) matches.
+WRAPPER_ATTRS: dict[str, str] = {
+    "DistributedDataParallel": "module",  # torch DDP, Megatron-Core DDP
+    "DataParallel": "module",
+    "DeepSpeedEngine": "module",
+    "Float16Module": "module",  # Megatron-Core's mixed-precision wrapper
+    "OptimizedModule": "_orig_mod",  # torch.compile
+    "ActivationWrapper": "_checkpoint_wrapped_module",  # checkpoint / offload wrappers
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",  # FSDP1
+    "_FabricModule": "_forward_module",  # Lightning Fabric
+}
+
+
 def _wrapped_attr(module: Any) -> str | None:
     """The attribute through which a wrapper module holds the user's module, if it is one."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
-        return "module"
-    # Only look for wrappers whose modules are already imported: nothing else can exist.
-    if "torch._dynamo" in sys.modules:
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        if isinstance(module, OptimizedModule):
-            return "_orig_mod"
-    if "torch.distributed.algorithms._checkpoint.checkpoint_wrapper" in sys.modules:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-
-        if isinstance(module, ActivationWrapper):
-            return "_checkpoint_wrapped_module"
-    if "torch.distributed.fsdp.fully_sharded_data_parallel" in sys.modules:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if isinstance(module, FullyShardedDataParallel):
-            return "_fsdp_wrapped_module"
+    for cls in type(module).__mro__:
+        attr = WRAPPER_ATTRS.get(cls.__name__)
+        if attr is not None and isinstance(getattr(module, attr, None), nn.Module):
+            return attr
     return None
 
 
@@ -153,6 +154,43 @@ def reference_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter
     return result
 
 
+def prefix_rename(actual: Mapping[str, tuple[int, ...] | None], expected: Mapping[str, tuple[int, ...]]) -> tuple[str, str] | None:
+    """``(strip, add)`` when every name of ``actual`` is ``strip + x`` and the reference's is
+    ``add + x``, one to one, with matching shapes (``None``: a sharded tensor's local shape,
+    not compared): an unknown wrapper around the model (``strip``) or a model that is part
+    of the reference's (``add``). None when no such prefix exists or names already match."""
+    if set(actual) == set(expected) or len(actual) != len(expected) or not actual:
+        return None
+    first = min(actual)
+    candidates = []
+    for ref in expected:
+        if first.endswith("." + ref):
+            candidates.append((first[: -len(ref)], ""))
+        elif ref.endswith("." + first):
+            candidates.append(("", ref[: -len(first)]))
+    for strip, add in dict.fromkeys(candidates):
+        mapped = {name: add + name[len(strip):] for name in actual if name.startswith(strip)}
+        if len(mapped) == len(actual) and set(mapped.values()) == set(expected) and all(
+            actual[a] is None or tuple(actual[a]) == tuple(expected[r]) for a, r in mapped.items()
+        ):
+            return strip, add
+    return None
+
+
+def adopt_prefix_names(model: nn.Module, expected: Mapping[str, tuple[int, ...]]) -> tuple[str, str] | None:
+    """Apply :func:`prefix_rename` to ``model``'s reference names when it finds a prefix (and
+    the user declared no names of their own); returns ``(strip, add)`` for the report's notice."""
+    if getattr(model, _NAMES_ATTR, None) is not None:
+        return None
+    named = reference_named_parameters(model)
+    shapes = {n: (None if shard_spec(p) is not None else tuple(p.shape)) for n, p in named}
+    found = prefix_rename(shapes, expected)
+    if found is not None:
+        strip, add = found
+        rename_parameters(model, lambda name: add + name[len(strip):] if name.startswith(strip) else name)
+    return found
+
+
 # -- hand-sharded tensors ------------------------------------------------------------------
 
 
@@ -180,7 +218,34 @@ class ShardSpec:
             )
 
     def process_group(self) -> Any:
+        if isinstance(self.group, str):
+            return layout_group(self.group)
         return self.group if self.group is not None else self.mesh.get_group(self.mesh_dim)
+
+
+# Process groups of the rank layout's named dims ("tp"), built once by the collective
+# ``run.watch`` for shards declared without a group.
+_LAYOUT_GROUPS: dict[str, Any] = {}
+
+
+def set_layout_group(name: str, group: Any) -> None:
+    _LAYOUT_GROUPS[name] = group
+
+
+def layout_group(name: str) -> Any:
+    group = _LAYOUT_GROUPS.get(name)
+    if group is None:
+        raise GatherError(
+            f"a tensor was declared sharded over the layout's {name!r} group (run.shard without group=), but the "
+            f"layout given to run.watch has no {name!r} group; pass group=<ProcessGroup> or a layout with "
+            f"groups={{{name!r}: [ranks]}}"
+        )
+    return group
+
+
+# Declarations live beside the tensor, not on it: an attribute holding a ProcessGroup would
+# make ``torch.save(model.state_dict())`` fail to pickle. Keyed by id, dropped with the tensor.
+_SPECS: dict[int, ShardSpec] = {}
 
 
 def annotate_shard(
@@ -192,16 +257,42 @@ def annotate_shard(
     mesh_dim: int | str | None = None,
 ) -> torch.Tensor:
     """Declare that ``tensor`` (usually a parameter of hand-written parallel code) is this
-    rank's slice along ``dim`` over ``group`` (or ``mesh``'s ``mesh_dim``). Its gradient and
-    same-shaped optimizer state are gathered the same way. Returns ``tensor``."""
+    rank's slice along ``dim`` over ``group`` (or ``mesh``'s ``mesh_dim``; a string names a
+    group of the rank layout, e.g. ``"tp"``). Its gradient and same-shaped optimizer state
+    are gathered the same way. Returns ``tensor``."""
     if not -tensor.dim() <= dim < max(tensor.dim(), 1):
         raise GatherError(f"annotate_shard: dim {dim} is out of range for a {tensor.dim()}-d tensor")
-    setattr(tensor, _SPEC_ATTR, ShardSpec(dim % max(tensor.dim(), 1), group, mesh, mesh_dim))
+    key = id(tensor)
+    fresh = key not in _SPECS
+    _SPECS[key] = ShardSpec(dim % max(tensor.dim(), 1), group, mesh, mesh_dim)
+    if fresh:
+        weakref.finalize(tensor, _SPECS.pop, key, None)
     return tensor
 
 
 def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
-    return getattr(tensor, _SPEC_ATTR, None)
+    """How ``tensor`` is sharded by hand: declared with :func:`annotate_shard`, or by
+    Megatron-Core's tensor-parallel layers (``tensor_model_parallel``, ``partition_dim``)."""
+    spec = _SPECS.get(id(tensor))
+    if spec is None and getattr(tensor, "tensor_model_parallel", False):
+        spec = _megatron_spec(tensor)
+    return spec
+
+
+def _megatron_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    """Megatron-Core's shard declaration, over its own tensor-parallel group."""
+    stride = getattr(tensor, "partition_stride", 1)
+    dim = getattr(tensor, "partition_dim", -1)
+    if stride != 1:
+        raise GatherError(
+            f"a Megatron-Core tensor-parallel parameter of shape {tuple(tensor.shape)} is partitioned with stride "
+            f"{stride} along dim {dim}: strided partitions interleave and cannot be gathered by concatenation; "
+            "the harness reads partition_stride 1 only"
+        )
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized() or dim < 0:
+        return None
+    return ShardSpec(dim, parallel_state.get_tensor_model_parallel_group())
 
 
 # -- local state ---------------------------------------------------------------------------
@@ -578,10 +669,12 @@ def gather_state(
     stages: Sequence[int] | None = None,
     expected: Sequence[str] | None = None,
     check_replicas: bool = True,
+    local: Sequence[LocalTensor] | None = None,
 ) -> GatheredTensors:
-    """Collective: this rank's ``kind`` state as a :class:`GatheredTensors` iterator."""
+    """Collective: this rank's ``kind`` state as a :class:`GatheredTensors` iterator (``local``:
+    the rank's entries where a framework keeps them, instead of the torch view)."""
     return GatheredTensors(
-        local_state(model, optimizer, kind, stages=stages),
+        list(local) if local is not None else local_state(model, optimizer, kind, stages=stages),
         dst=dst,
         expected=expected,
         check_replicas=check_replicas,

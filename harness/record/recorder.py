@@ -36,7 +36,7 @@ from reference.record import Record, RecordError, RecordWriter, optimizer_param_
 from reference.trainer import dropout_info
 
 from harness.parallel_dims import RankLayout
-from harness.record.gather import gather_state, reference_named_parameters
+from harness.record.gather import adopt_prefix_names, gather_state, reference_named_parameters
 
 __all__ = ["RankLayout", "RankRecorder", "RecorderError"]
 
@@ -60,16 +60,21 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def expected_param_names(case: Case) -> list[str]:
-    """Reference parameter names of ``case``'s model, built on the meta device (no memory, and
-    the global RNG is left as it was)."""
+def expected_param_shapes(case: Case) -> dict[str, tuple[int, ...]]:
+    """Reference parameter names and shapes of ``case``'s model, built on the meta device (no
+    memory, and the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
                 model = case.model_factory()
         except Exception:  # a factory that cannot run on meta tensors: build it for real
             model = case.model_factory()
-    return [n for n, _ in model.named_parameters()]
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def expected_param_names(case: Case) -> list[str]:
+    """Reference parameter names of ``case``'s model (see :func:`expected_param_shapes`)."""
+    return list(expected_param_shapes(case))
 
 
 class RankRecorder:
@@ -88,8 +93,10 @@ class RankRecorder:
         check_replicas: bool = True,
         overwrite: bool = False,
         meta: Mapping[str, Any] | None = None,
+        reader: Any = None,
     ):
         self.case = case
+        self.reader = reader  # a harness.record.frameworks.StateReader: the framework's own state
         self.model = model
         self.optimizer = optimizer
         self.layout = layout
@@ -103,6 +110,14 @@ class RankRecorder:
                 f"layout.stages has {len(layout.stages)} entries but {len(self._modules())} model chunks were given"
             )
         self._expected = expected_param_names(case) if layout.stages is not None else None
+        # Names that differ from the reference's by one common prefix (a wrapper the harness does
+        # not know): mapped one to one, with a notice, rather than failed as state-structure.
+        self.renamed = None
+        if layout.stages is None and isinstance(model, nn.Module):
+            local = {n for n, _ in reference_named_parameters(model)}
+            expected = expected_param_shapes(case)
+            if local != set(expected):
+                self.renamed = adopt_prefix_names(model, expected)
         self._micro: dict[int, list[tuple[float | None, list[int]]]] = {}
         self._phase: dict[int, str] = {}
         # What the ranks draw at each random op of each step, for the reference to replay
@@ -128,6 +143,7 @@ class RankRecorder:
                     "world_size": self.world_size,
                     "dropout": dropout_info(first),
                     "ranks": self.layouts,
+                    **({"renamed_by_prefix": {"strip": self.renamed[0], "add": self.renamed[1]}} if self.renamed else {}),
                     **(meta or {}),
                 },
                 overwrite=overwrite,
@@ -209,6 +225,7 @@ class RankRecorder:
             stages=self.layout.stages,
             expected=self._expected if kind == "param" else None,
             check_replicas=self.check_replicas,
+            local=self.reader.local_state(kind) if self.reader is not None else None,
         )
         for name, full in gathered:
             if self.writer is not None and full is not None:
@@ -237,7 +254,7 @@ class RankRecorder:
             "dp_rank": self.layout.dp_rank,
             "holds_loss": self.layout.holds_loss,
             "micro": self._micro.pop(step, []),
-            "param_groups": optimizer_param_groups(self.optimizer, names),
+            "param_groups": self.reader.param_groups(names) if self.reader is not None else optimizer_param_groups(self.optimizer, names),
             "draws": [(d.to_json(), d.state) for d in draws],
             "draws_overflowed": overflowed,
         }

@@ -67,6 +67,61 @@ def check_samples(record: Any, reference: Any = None, trace: Any = None) -> list
     return check_sample_ids(per_rank, replica, expected, steps_per_epoch=spe)
 
 
+def _step_batch_sizes(
+    per_rank: Mapping[int, Mapping[int, Sequence[Sequence[int]]]],
+    members: Mapping[int, list[int]],
+    expected: Mapping[int, Sequence[int]],
+    steps: Sequence[int],
+) -> list[Diagnosis]:
+    """The reference's sample sequence consumed without a sample twice or one skipped, but cut
+    into optimizer steps of another size (a framework accumulating 4 micro-batches where the
+    case says 2): one finding with what each replica consumed, ahead of the ids and values it
+    moves. A sampler that duplicates, drops or mixes samples changes the counts too; that is
+    the other checks' finding, never this one."""
+
+    def consumed(step: int) -> list[int] | None:
+        """The step's ids over the replicas; None where the ranks of one replica disagree."""
+        out: list[int] = []
+        for ranks in members.values():
+            per = {tuple(i for m in per_rank[r].get(step) or [] for i in m) for r in ranks}
+            if len(per) > 1:
+                return None
+            out += list(next(iter(per)))
+        return out
+
+    for step in steps:
+        want, ids = list(expected[step]), consumed(step)
+        if ids is None or not ids or len(ids) == len(want):
+            continue
+        here, got = set(want), set(ids)
+        earlier = {i for s, e in expected.items() if s < step for i in e}
+        later = {i for s, e in expected.items() if s > step for i in e}
+        if len(got) != len(ids) or got & earlier:
+            return []
+        if len(ids) > len(want):
+            cut = here <= got and got - here <= later | (got - here if not later else set())
+        else:
+            following = set(consumed(step + 1) or [])
+            cut = got <= here and here - got <= following
+        if not cut:
+            return []
+        micros = {rep: max((len(per_rank[r].get(step) or []) for r in ranks), default=0) for rep, ranks in members.items()}
+        per_replica = {rep: len([i for m in per_rank[ranks[0]].get(step) or [] for i in m]) for rep, ranks in members.items()}
+        replicas = len(members)
+        return [Diagnosis(
+            "batch-size-mismatch",
+            f"step {step} consumed {len(ids)} samples but the case's global batch is {len(want)}: the {replicas} replicas "
+            f"consumed {'/'.join(str(v) for v in sorted(set(per_replica.values())))} samples each in "
+            f"{'/'.join(str(v) for v in sorted(set(micros.values())))} micro-batch(es) before their optimizer step, where "
+            f"the case's step is {len(want) / replicas:g} per replica; the loop's accumulation or batch size (e.g. a "
+            "framework's gradient_accumulation_steps) differs from the case's",
+            {"step": step, "consumed": len(ids), "global_batch": len(want), "replicas": replicas,
+             "samples_per_replica": {str(k): v for k, v in sorted(per_replica.items())},
+             "micro_batches_per_replica": {str(k): v for k, v in sorted(micros.items())}},
+        )]
+    return []
+
+
 def check_sample_ids(
     per_rank: Mapping[int, Mapping[int, Sequence[Sequence[int]]]],
     replica: Mapping[int, int],
@@ -86,6 +141,9 @@ def check_sample_ids(
 
     def epoch_of(step: int) -> int:
         return step // steps_per_epoch if steps_per_epoch else 0
+
+    if expected is not None:
+        findings += _step_batch_sizes(per_rank, members, expected, steps)
 
     # -- inconsistent inputs within a replica -----------------------------------------------
     for rep, ranks in sorted(members.items()):
@@ -173,6 +231,10 @@ def check_sample_ids(
                     "unexpected_ids": extra[:MAX_IDS],
                 },
             ))
+    if any(d.code == "batch-size-mismatch" for d in findings):
+        # Steps of another size move where the reference's steps end: the samples of its later
+        # steps the run had not reached are not dropped (the cut check saw none skipped).
+        findings = [d for d in findings if d.code != "dropped-samples"]
     return findings
 
 

@@ -1,5 +1,7 @@
 """Hand-written TP MLP whose row-parallel matmul is written inline in the model's own forward
 (no submodule of its own); the bug uses its partial sums without the all-reduce."""
+import io
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,12 +42,13 @@ class Sharded(nn.Module):
         return (_Reduce.apply(partial) if self.reduce else partial) + self.b2  # BUG unless reduce
 
 
-def train(ctx, run, reduce=False):
+def train(ctx, run, reduce=False, group=True):
     model = Sharded(CASE.build_model(ctx.device), ctx.rank, ctx.world_size, reduce)
-    g = dist.group.WORLD
-    run.shard(model.fc1.weight, 0, group=g); run.shard(model.fc1.bias, 0, group=g); run.shard(model.w2, 1, group=g)
+    g = {"group": dist.group.WORLD} if group else {}  # without one: the layout's TP group
+    run.shard(model.fc1.weight, 0, **g); run.shard(model.fc1.bias, 0, **g); run.shard(model.w2, 1, **g)
     optimizer = CASE.build_optimizer(model.parameters())
     run.watch(model, optimizer, ParallelDims(tp=ctx.world_size).layout(ctx.rank), names={"w2": "fc2.weight", "b2": "fc2.bias"})
+    torch.save(model.state_dict(), io.BytesIO())  # a declared model still pickles
     for step in range(run.steps):
         for batch in run.batches(step):
             loss = CASE.forward_loss(model, batch)
@@ -59,3 +62,8 @@ def train(ctx, run, reduce=False):
 
 def correct(ctx, run):
     train(ctx, run, reduce=True)
+
+
+def layout_group(ctx, run):
+    """Shards declared without a group: the layout's "tp" group."""
+    train(ctx, run, reduce=True, group=False)
