@@ -23,7 +23,7 @@ from torch import nn
 from reference.case import Case, cast_floating, collate
 from reference.schedule import micro_batch_indices, replica_micro_batch_indices
 
-from harness.record.probe import first_tensor
+from harness.record.probe import module_outputs
 
 __all__ = ["batch_dependence", "dependence_terms", "describe", "names_declared"]
 
@@ -34,24 +34,7 @@ _PER_SAMPLE_RTOL = 1e-5
 
 
 def _outputs(case: Case, model: nn.Module, batch: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    outs: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-
-        def hook(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
-            t = first_tensor(output)
-            if t is not None and name not in outs:
-                outs[name] = t.detach().double().clone()
-
-        handles.append(module.register_forward_hook(hook))
-    try:
-        output = case.call_model(model, batch.inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return outs, output
+    return module_outputs(model, lambda: case.call_model(model, batch.inputs), dtype=torch.float64)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:

@@ -14,44 +14,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from reference.case import Case, tensors_in
 
 from harness.codes import Diagnosis
-from harness.record.probe import OUTPUT, ProbeData, first_tensor
+from harness.record.probe import OUTPUT, ProbeData, module_outputs
 
 __all__ = ["analyze_probe"]
 
 
 def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
     model = case.build_model("cpu")
-    outs: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
 
-        def hook(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
-            t = first_tensor(output)
-            if t is not None and name not in outs:
-                outs[name] = t.detach().float().clone()
-
-        handles.append(module.register_forward_hook(hook))
-    def whole(module: nn.Module, args: tuple, output: Any) -> None:
-        t = first_tensor(output)
-        if t is not None:
-            outs.setdefault(OUTPUT, t.detach().float().clone())
-
-    handles.append(model.register_forward_hook(whole))
-    try:
+    def forward() -> Any:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(case.seed)
-            case.call_model(model, x)
-    finally:
-        for h in handles:
-            h.remove()
-    return outs
+            return case.call_model(model, x)
+
+    return module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT)[0]
 
 
 def _same_values(a: Any, b: Any) -> bool:

@@ -22,7 +22,13 @@ glue there is (see ``cases/custom_example.py`` for a complete file)::
             opt.zero_grad()
 
 Hand-sharded tensors (a plain tensor holding this rank's slice) are declared once with
-``run.shard(param, dim=0, group=tp_group)`` so the harness can gather them to full shape.
+``run.shard(param, dim=0, group=tp_group)`` (no group: the layout's "tp" group) so the harness
+can gather them to full shape.
+
+Framework loops (DeepSpeed, Fabric, accelerate) hand ``watch`` what the framework returns and
+pass ``hook_step=True``: the harness records at the framework's own optimizer step, and the
+loop uses :attr:`CustomRun.step` and :attr:`CustomRun.done` (README, "Framework loops";
+:mod:`harness.record.frameworks`).
 """
 
 from __future__ import annotations

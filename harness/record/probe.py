@@ -60,6 +60,40 @@ def first_tensor(value: Any) -> Any:
     return first
 
 
+def module_outputs(
+    model: nn.Module, call: Any, *, dtype: torch.dtype, whole: str | None = None
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Each named submodule's first activation (:func:`first_tensor`) of one forward,
+    ``call()``, detached and cast to ``dtype``; with ``whole``, the model's own output under
+    that name too. Returns the activations and what ``call`` returned."""
+    outs: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
+            t = first_tensor(output)
+            if t is not None and name not in outs:
+                outs[name] = t.detach().to(dtype).clone()
+
+        handles.append(module.register_forward_hook(hook))
+    if whole is not None:
+
+        def whole_hook(module: nn.Module, args: tuple, output: Any) -> None:
+            t = first_tensor(output)
+            if t is not None:
+                outs.setdefault(whole, t.detach().to(dtype).clone())
+
+        handles.append(model.register_forward_hook(whole_hook))
+    try:
+        result = call()
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, result
+
+
 @dataclass
 class Capture:
     module_type: str
