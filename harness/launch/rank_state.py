@@ -140,14 +140,11 @@ def _release_framework_groups() -> None:
     Each is reset to what a fresh process has (only for frameworks already imported)."""
     ds_groups = sys.modules.get("deepspeed.utils.groups")
     if ds_groups is not None:
+        # Its state is the private upper-case globals and mesh_device (None or {} in a fresh
+        # process); its one string constant is left alone.
         for name, value in list(vars(ds_groups).items()):
-            if name.startswith("_") and name.isupper() or name == "mesh_device":
-                if isinstance(value, dict):
-                    setattr(ds_groups, name, {})
-                elif value is not None and not isinstance(value, (str, int, float, bool)):
-                    setattr(ds_groups, name, None)
-                elif name.startswith("_MPU_"):
-                    setattr(ds_groups, name, None)
+            if (name.startswith("_") and name.isupper() or name == "mesh_device") and not isinstance(value, str):
+                setattr(ds_groups, name, {} if isinstance(value, dict) else None)
     ds_comm = sys.modules.get("deepspeed.comm.comm")
     if ds_comm is not None:
         ds_comm.cdb = None

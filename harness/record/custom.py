@@ -138,7 +138,7 @@ class CustomRun:
             )
         self._build_layout_groups()
         if hook_step:
-            install_step_hooks(handed, optimizer if reader is None else None, self._hooked_before, self._hooked_after)
+            install_step_hooks(handed, optimizer, self._hooked_before, self._hooked_after)
         self.recorder.start_draws()  # the loop's draws until before_step, for the reference to replay
 
     def _hooked_before(self) -> None:

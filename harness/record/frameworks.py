@@ -66,7 +66,7 @@ def watched_objects(model: Any, optimizer: Any) -> tuple[Any, Any, StateReader |
         if "PipelineEngine" in _class_names(engine):
             raise FrameworkError("DeepSpeed's PipelineEngine with ZeRO is not read by the harness (its stages hold "
                                  "parts of the model); record each stage's module with a pipeline layout instead")
-        return engine.module, _base_optimizer(engine.optimizer), DeepSpeedZeroState(engine, stage)
+        return engine.module, _base_optimizer(engine.optimizer), DeepSpeedZeroState(engine)
     return model, (None if optimizer is None else _base_optimizer(optimizer)), None
 
 
@@ -87,11 +87,10 @@ class DeepSpeedZeroState:
     group). Read between ``engine.backward`` on the accumulation boundary and the optimizer
     step for gradients, after the step for the rest: :func:`hook_step` calls at those moments."""
 
-    def __init__(self, engine: Any, stage: int):
+    def __init__(self, engine: Any):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
         self.engine = engine
-        self.stage = stage
         self._grad, self._param, self._state = safe_get_full_grad, safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     def _named(self) -> list[tuple[str, nn.Parameter]]:
@@ -111,33 +110,17 @@ class DeepSpeedZeroState:
                     value = p.detach()
                 out.append(LocalTensor(name, value.detach().clone().view(_full_shape(p))))
         else:
-            keys = self._state_keys()
+            # The base optimizer's state of one flat partition gives the keys, and the value of
+            # a per-parameter scalar (Adam's ``step``), the same for every partition.
+            states = [s for s in _base_optimizer(self.engine.optimizer).state.values() if s]
+            first = states[0] if states else {}
+            scalars = {key: _scalar(value) for key, value in first.items()}
             for name, p in self._named():
-                for key in keys:
-                    value = self._scalar_state(key)
-                    if value is None:
-                        value = self._state(p, key)
+                for key in sorted(first):
+                    value = scalars[key] if scalars[key] is not None else self._state(p, key)
                     if value is not None:
                         out.append(LocalTensor(f"{name}.{key}", value.detach().clone().view(_full_shape(p)) if value.dim() else value.detach().clone()))
         return out
-
-    def _base_state(self) -> list[dict[str, Any]]:
-        return [s for s in _base_optimizer(self.engine.optimizer).state.values() if s]
-
-    def _state_keys(self) -> list[str]:
-        states = self._base_state()
-        return sorted(states[0]) if states else []
-
-    def _scalar_state(self, key: str) -> torch.Tensor | None:
-        """A per-parameter scalar (Adam's ``step``): the same for every flat partition."""
-        for state in self._base_state():
-            value = state.get(key)
-            if isinstance(value, (int, float)):
-                return torch.tensor(float(value))
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
-                return value
-            return None
-        return None
 
     def param_groups(self, names: dict[int, str]) -> list[dict[str, Any]]:
         """The base optimizer's hyperparameters with the model parameters each group holds
@@ -152,6 +135,14 @@ class DeepSpeedZeroState:
         for entry, params in zip(plain, groups):
             entry["params"] = [names.get(id(p), "?") for p in params]
         return plain
+
+
+def _scalar(value: Any) -> torch.Tensor | None:
+    if isinstance(value, (int, float)):
+        return torch.tensor(float(value))
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value
+    return None
 
 
 def _full_shape(p: torch.Tensor) -> tuple[int, ...]:

@@ -114,10 +114,7 @@ class RankRecorder:
         # not know): mapped one to one, with a notice, rather than failed as state-structure.
         self.renamed = None
         if layout.stages is None and isinstance(model, nn.Module):
-            local = {n for n, _ in reference_named_parameters(model)}
-            expected = expected_param_shapes(case)
-            if local != set(expected):
-                self.renamed = adopt_prefix_names(model, expected)
+            self.renamed = adopt_prefix_names(model, expected_param_shapes(case))
         self._micro: dict[int, list[tuple[float | None, list[int]]]] = {}
         self._phase: dict[int, str] = {}
         # What the ranks draw at each random op of each step, for the reference to replay

@@ -79,34 +79,37 @@ def _step_batch_sizes(
     moves. A sampler that duplicates, drops or mixes samples changes the counts too; that is
     the other checks' finding, never this one."""
 
-    def consumed(step: int) -> list[int] | None:
-        """The step's ids over the replicas; None where the ranks of one replica disagree."""
-        out: list[int] = []
-        for ranks in members.values():
+    def consumed(step: int) -> dict[int, list[int]] | None:
+        """Each replica's ids of the step; None where the ranks of one replica disagree."""
+        out: dict[int, list[int]] = {}
+        for rep, ranks in members.items():
             per = {tuple(i for m in per_rank[r].get(step) or [] for i in m) for r in ranks}
             if len(per) > 1:
                 return None
-            out += list(next(iter(per)))
+            out[rep] = list(next(iter(per)))
         return out
 
     for step in steps:
-        want, ids = list(expected[step]), consumed(step)
-        if ids is None or not ids or len(ids) == len(want):
+        by_replica = consumed(step)
+        if by_replica is None:
+            continue
+        want, ids = list(expected[step]), [i for rep_ids in by_replica.values() for i in rep_ids]
+        if not ids or len(ids) == len(want):
             continue
         here, got = set(want), set(ids)
         earlier = {i for s, e in expected.items() if s < step for i in e}
         later = {i for s, e in expected.items() if s > step for i in e}
         if len(got) != len(ids) or got & earlier:
             return []
-        if len(ids) > len(want):
-            cut = here <= got and got - here <= later | (got - here if not later else set())
-        else:
-            following = set(consumed(step + 1) or [])
-            cut = got <= here and here - got <= following
+        if len(ids) > len(want):  # the surplus is the reference's next steps (as far as it recorded them)
+            cut = here <= got and (not later or got - here <= later)
+        else:  # the rest of the reference's step comes in the run's next one
+            following = consumed(step + 1) or {}
+            cut = got <= here and here - got <= {i for rep_ids in following.values() for i in rep_ids}
         if not cut:
             return []
         micros = {rep: max((len(per_rank[r].get(step) or []) for r in ranks), default=0) for rep, ranks in members.items()}
-        per_replica = {rep: len([i for m in per_rank[ranks[0]].get(step) or [] for i in m]) for rep, ranks in members.items()}
+        per_replica = {rep: len(rep_ids) for rep, rep_ids in by_replica.items()}
         replicas = len(members)
         return [Diagnosis(
             "batch-size-mismatch",
