@@ -48,13 +48,33 @@ def transformer_stage(case: Case, stage: int, num_stages: int, mesh) -> torch.nn
 def layout_plan(
     dp: int = 1, tp: int = 1, pp: int = 1, *, global_batch: int | None = None, micro_batches: int | None = None,
     name: str | None = None, description: str = "", build_mesh: Callable[[ParallelDims], object] | None = None,
+    heads: int | None = None, layers: int | None = None,
 ) -> LayoutPlan:
-    """A plan for any degrees: the tiny transformer widened so that ``tp`` divides its heads
-    (4 per head... at least 4 heads) and ``pp`` its layers; by default 4 samples per replica
-    micro-batch and ``2 * pp`` micro-batches (1 without a pipeline)."""
+    """A plan for any degrees on the tiny transformer (4 features per head, MLP width 8 per
+    head). ``heads`` / ``layers`` fix the model: degrees that do not split it are a
+    :class:`ParallelConfigError` naming the degrees that would. Left out, the model is widened
+    so that ``tp`` divides its heads (at least 4) and ``pp`` its layers (at least 4), and the
+    plan's description says so. By default 4 samples per replica micro-batch and ``2 * pp``
+    micro-batches (1 without a pipeline)."""
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-    heads = tp * math.ceil(4 / tp)
-    layers = pp * max(1, math.ceil(4 / pp))
+    widened = []
+    if heads is None:
+        heads = tp * math.ceil(4 / tp)
+        if heads != 4:
+            widened.append(f"{heads} heads, not 4, so that tp={tp} divides them")
+    elif heads % tp:
+        raise ParallelConfigError(f"tp={tp} does not divide the model's {heads} heads; tp may be one of "
+                                  f"{[d for d in range(1, heads + 1) if heads % d == 0]} (or leave --heads out to widen the model)")
+    if layers is None:
+        layers = pp * max(1, math.ceil(4 / pp))
+        if layers != 4:
+            widened.append(f"{layers} layers, not 4, so that pp={pp} divides them")
+    elif layers % pp:
+        raise ParallelConfigError(f"pp={pp} does not divide the model's {layers} layers; pp may be one of "
+                                  f"{[d for d in range(1, layers + 1) if layers % d == 0]} (or leave --layers out to widen the model)")
+    model_line = f"model: the tiny transformer with {heads} heads (dim {4 * heads}) and {layers} layers" + (
+        f" (widened: {'; '.join(widened)})" if widened else "")
+    description = f"{description}\n  {model_line}" if description else model_line
     micro = micro_batches or (2 * pp if pp > 1 else 1)
     batch = global_batch or 4 * dp * micro
     if batch % (dp * micro):

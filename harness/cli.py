@@ -59,11 +59,23 @@ def _parser() -> argparse.ArgumentParser:
         lay.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
     lay.add_argument("--global-batch", type=int, default=None, help="global batch (default 4 samples per replica micro-batch)")
     lay.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 2*pp, 1 without a pipeline)")
+    lay.add_argument("--heads", type=int, default=None,
+                     help="the model's attention heads (default: the fewest >= 4 that tp divides)")
+    lay.add_argument("--layers", type=int, default=None, help="the model's layers (default: the fewest >= 4 that pp divides)")
     lay.add_argument("--json", metavar="PATH", help="write the layout report as JSON here")
     lay.add_argument("--all-ranks", action="store_true", help="list every rank (default: one row per distinct figures)")
     lay.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     sub.add_parser("list", help="list bundled targets")
     return parser
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """Ctrl-C or SIGTERM: say so, and what the run had recorded (kept on disk); 130 / 143."""
+    from harness.launch.procs import Terminated
+
+    print(f"interrupted{' (SIGTERM)' if isinstance(exc, Terminated) else ''}{getattr(exc, 'left_behind', '')}",
+          file=sys.stderr, flush=True)
+    return exc.exit_code if isinstance(exc, Terminated) else 130
 
 
 def _usage(parser: argparse.ArgumentParser, message: str) -> int:
@@ -117,12 +129,13 @@ def _layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from cases.layouts import layout_plan
     from harness.parallel_dims import ParallelConfigError
 
-    for flag in ("dp", "tp", "pp", "global_batch", "micro_batches"):
+    for flag in ("dp", "tp", "pp", "global_batch", "micro_batches", "heads", "layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             return _usage(parser, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     try:
-        plan = layout_plan(args.dp, args.tp, args.pp, global_batch=args.global_batch, micro_batches=args.micro_batches)
+        plan = layout_plan(args.dp, args.tp, args.pp, global_batch=args.global_batch, micro_batches=args.micro_batches,
+                           heads=args.heads, layers=args.layers)
     except ParallelConfigError as exc:
         return _usage(parser, str(exc))
     return _check_layout(plan, args.json, args.all_ranks, args.quiet)
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             return _usage(parser, f"{flag} {path}: the folder {folder} does not exist or is not writable")
     sys.path.insert(0, os.getcwd())  # bundled `cases` and the user's own modules resolve from here
+    from harness.launch.procs import terminate_as_interrupt
     from harness.launch.remote import RankRunner
     from harness.targets.bundled import load_target
     from harness.targets.target import TargetError
@@ -298,16 +312,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.stall_window is not None and not (args.stall_window >= 0 and math.isfinite(args.stall_window)):
         return _usage(parser, f"--stall-window must be a finite number of seconds >= 0, got {args.stall_window}")
     if args.simulate is not None:
+        restore = terminate_as_interrupt()
         try:
             return _simulate_one(args) if args.target is not None else _demo(args, None)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:
+            return _interrupted(exc)
+        finally:
+            restore()
     runner = RankRunner(backend=args.backend, device=args.device)
+    restore = terminate_as_interrupt()
     try:
         return _diagnose_one(args, runner) if args.target is not None else _demo(args, runner)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
     finally:
         runner.close()
+        restore()

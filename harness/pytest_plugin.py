@@ -129,6 +129,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 _REPORT_ENV_KEY = pytest.StashKey["str | None"]()
+_SIGTERM_KEY = pytest.StashKey[Any]()  # restores SIGTERM's default action
+_INTERRUPTED_KEY = pytest.StashKey[str]()  # what an interrupted test had recorded
 
 
 def _report_dir(config: pytest.Config) -> str:
@@ -165,6 +167,11 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     runner = InPlaceRunner(config) if _under_torchrun() else SpawnRunner(config)
     config.stash[_RUNNER_KEY] = runner
+    # SIGTERM (a CI runner cancelling the job) ends the session as Ctrl-C does: the test's
+    # ranks are killed, the session's hooks run, what the test had recorded is named.
+    from harness.launch.procs import terminate_as_interrupt
+
+    config.stash[_SIGTERM_KEY] = terminate_as_interrupt()
     if isinstance(runner, SpawnRunner) and _asked_for_ranks(config):
         runner.prestart()
 
@@ -178,7 +185,16 @@ def _asked_for_ranks(config: pytest.Config) -> bool:
     return named and not xdist_controller
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    message = session.config.stash.get(_INTERRUPTED_KEY, "")
+    if message:
+        print("\n" + message, file=sys.stderr, flush=True)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    restore = config.stash.get(_SIGTERM_KEY, None)
+    if restore is not None:
+        restore()
     previous = config.stash.get(_REPORT_ENV_KEY, None)
     if previous is None:
         os.environ.pop("HARNESS_REPORT_DIR", None)
@@ -398,6 +414,7 @@ class SpawnRunner:
                     "plain data from the fixture.",
                     pytrace=False,
                 )
+        state_pickle = _method_state(item)
         run_dir = tempfile.mkdtemp(prefix="harness-test-")
         task = TestTask(
             nodeid=item.nodeid,
@@ -409,10 +426,21 @@ class SpawnRunner:
             sys_path=list(sys.path),
             cwd=os.getcwd(),
             run_dir=run_dir,
+            state_pickle=state_pickle,
         )
         key = PoolKey(spec.nproc, spec.backend, spec.device)
         try:
             outcome = self.manager.run(key, task, spec.timeout)
+        except KeyboardInterrupt:
+            # Ctrl-C / SIGTERM: the pool killed the ranks; name what the test had recorded.
+            from harness.record.left_behind import left_behind, recorded_lines
+
+            left = recorded_lines(left_behind(run_dir)[2])
+            if left:
+                item.config.stash[_INTERRUPTED_KEY] = f"harness: {item.nodeid} was interrupted; kept{left}"
+            else:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         except PoolStartError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             pytest.fail(f"could not start {spec.nproc} {spec.backend} ranks: {exc}", pytrace=False)
@@ -438,6 +466,39 @@ class SpawnRunner:
             self._manager.close()
 
 
+def _method_state(item: pytest.Item) -> bytes:
+    """A test method's instance and class state as pytest's setup left them (setup_method,
+    setup_class, fixtures that set ``self.x`` / ``request.cls.x``), pickled for the ranks,
+    which build their own instance; b"" for a test function. State that cannot be pickled
+    fails the test saying which attribute, rather than reaching the body as missing."""
+    instance, cls = getattr(item, "instance", None), getattr(item, "cls", None)
+    if instance is None or cls is None:
+        return b""
+    state: dict[str, dict[str, Any]] = {"instance": {}, "class": {}}
+    for name, value in vars(instance).items():
+        try:
+            pickle.dumps(value)
+            state["instance"][name] = value
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(
+                f"self.{name} (a {type(value).__name__}), set up for {item.nodeid} in the pytest process, cannot be sent "
+                f"to the ranks: {type(exc).__name__}: {exc}. A distributed test method's instance state must be "
+                "picklable; build it inside the body instead.",
+                pytrace=False,
+            )
+    for name, value in vars(cls).items():
+        # Plain class attributes (what setup_class or a class fixture may have set); methods,
+        # descriptors and what cannot be pickled come from the rank's own import of the class.
+        if name.startswith("__") or callable(value) or isinstance(value, (classmethod, staticmethod, property)):
+            continue
+        try:
+            pickle.dumps(value)
+            state["class"][name] = value
+        except Exception:  # noqa: BLE001
+            continue
+    return pickle.dumps(state)
+
+
 def _left_behind_lines(run_dir: str, nodeid: str, text: str, outcome: Any) -> str:
     """A test that failed or hung inside ``assert_matches_reference`` (which records in the
     test's run folder): the HTML report built from what it recorded before the failure, and
@@ -450,17 +511,18 @@ def _left_behind_lines(run_dir: str, nodeid: str, text: str, outcome: Any) -> st
     hang = bool(outcome.timed_out)
     try:
         diagnoses = hang_diagnoses(outcome) if hang else failure_diagnoses(outcome)
-        report = failure_report(run_dir, name=nodeid, error=text, hang=hang, diagnoses=diagnoses)
+        report = failure_report(run_dir, name=nodeid, error=text, hang=hang, diagnoses=diagnoses, outcome=outcome)
     except Exception as exc:  # noqa: BLE001 - the failure itself must still be reported
         return f"\n\n(could not build a report from {run_dir}: {type(exc).__name__}: {exc})"
     if report is None:
         shutil.rmtree(run_dir, ignore_errors=True)
         return ""
     recorded = report.recorded
-    if recorded.get("records") and all(r["complete"] for r in recorded["records"]) and not recorded.get("unfinished"):
-        return ""  # the run finished and reported itself (its message names its report and records)
+    if recorded.get("records") and all(r["complete"] and r["path"] in text for r in recorded["records"]) \
+            and not recorded.get("unfinished"):
+        return ""  # the run finished and its own failure message names its report and records
     path = write_html(report, report_path_for(nodeid, "report"))
-    lines = [f"recorded before the failure ({run_dir}):"]
+    lines = ["recorded before the failure:"]
     for r in report.recorded.get("records", []):
         lines.append(f"  parallel record: {r['path']} ({r['steps']} steps, {'complete' if r['complete'] else 'incomplete'})")
     lines += [f"  trace parts of the ranks: {p}" for p in report.recorded.get("trace_parts", [])]
@@ -482,7 +544,7 @@ class InPlaceRunner:
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.baseline: Any = None
         self.watchdog: threading.Timer | None = None
-        self.first_record_id = -1
+        self.test_mark = -1
 
     def setup(self, item: pytest.Item, spec: DistSpec) -> None:
         if spec.nproc != self.world_size:
@@ -502,7 +564,7 @@ class InPlaceRunner:
                 torch.cuda.set_device(self.local_rank)
             dist.init_process_group(spec.backend, init_method="env://")
             self.baseline = RankState.capture()
-        self.first_record_id = dump.last_record_id()
+        self.test_mark = dump.mark_test_start()
         seed_everything(0)
         self.watchdog = threading.Timer(spec.timeout, self._on_timeout, args=(item.nodeid, spec.timeout))
         self.watchdog.daemon = True
@@ -517,7 +579,7 @@ class InPlaceRunner:
 
         out = sys.__stderr__
         print(f"\n[rank {self.rank}] TIMEOUT after {timeout:g} s in {nodeid}; last collectives:", file=out)
-        for entry in dump.read_entries(self.first_record_id)[-8:]:
+        for entry in dump.read_entries(self.test_mark)[-8:]:
             print(f"    {fr.format_entry(entry)}", file=out)
         print(f"[rank {self.rank}] Python stacks:", file=out)
         faulthandler.dump_traceback(file=out, all_threads=True)

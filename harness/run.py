@@ -23,7 +23,7 @@ from reference.trainer import ReferenceVariant
 from reference.schedule import global_batch_indices
 
 from harness.context import broadcast_object
-from harness.analysis.compare import CompareResult, compare, trajectory_view
+from harness.analysis.compare import CompareResult, compare, proposed_renaming, trajectory_view
 from harness.record.recorder import RankRecorder
 from harness.strategy import DistContextLike, Strategy
 from harness.analysis.tolerance import DefaultTolerances, TolerancePolicy, calibrate
@@ -245,18 +245,22 @@ def compare_to_reference(
         return result
     policy = policy_for(True)
     replicas = dp_size(record)
+    # The replay starts each step from the run's state by name: under the reference's names
+    # where the run's differ by a renaming the shapes propose (the comparison reports the names).
+    renaming = proposed_renaming(reference, record)
+    source = record.renamed(renaming) if renaming else record
     if case.per_replica and replicas > 1:
         # The case says these statistics are per replica on purpose: that reference is the contract.
-        stepwise = replay_reference(case, record, replay_path(record.path), variant=ReferenceVariant(replicas=replicas))
+        stepwise = replay_reference(case, source, replay_path(record.path), variant=ReferenceVariant(replicas=replicas))
         result = compare(stepwise, record, policy, label=label)
         result.per_replica = {"contract": True, "replicas": replicas, "declared": list(case.per_replica)}
         notes.append(f"compared with the per-replica reference: each of the {replicas} replicas' micro-batches computed on "
                      f"their own (the case declares per-replica statistics: {', '.join(case.per_replica)})")
     else:
-        stepwise = replay_reference(case, record, replay_path(record.path))
+        stepwise = replay_reference(case, source, replay_path(record.path))
         result = compare(stepwise, record, policy, label=label)
-        if not result.passed and replicas > 1:
-            result.per_replica = _per_replica_view(case, record, stepwise, policy, replicas)
+        if result.failures() and replicas > 1:  # values that need explaining, not names alone
+            result.per_replica = _per_replica_view(case, source, stepwise, policy, replicas)
     result.notes += notes
     result.mode = "stepwise"
     # The same tolerances as the verdict's: the view says where the trajectory leaves one
@@ -331,6 +335,13 @@ def run_strategy(
                 case, record, tolerance=tolerance, cache=cache, label=label, comparison=comparison
             )
             trace_file = Path(record.path) / TRACE_FILE
+            if os.environ.get("HARNESS_RUN_DIR"):
+                # Under the pytest plugin: should the test fail after this, its report names
+                # this record (wherever workdir put it) and shows this comparison.
+                from harness.record.left_behind import note_run
+
+                note_run(os.environ["HARNESS_RUN_DIR"], test=os.environ.get("HARNESS_CURRENT_TEST", ""), case=case,
+                         strategy=strategy.name, nproc=ctx.world_size, record=str(record.path), comparison=compared)
             payload = ("ok", RunResult(
                 case.name, strategy.name, ctx.world_size, compared, compared.reference, str(record.path),
                 trace_path=str(trace_file) if trace_file.is_file() else "",

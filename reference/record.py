@@ -22,6 +22,7 @@ half a record; a run that fails part way is still finished with ``complete: fals
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -330,6 +331,42 @@ class Record:
     def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.step(step).names(kind):
             yield name, self.tensor(step, kind, name)
+
+    def renamed(self, names: Mapping[str, str]) -> "Record":
+        """A view of this record with parameter names mapped by ``names`` (recorded -> new):
+        tensors of every kind (an optimizer-state entry by its parameter's part), the param
+        groups' lists and the per-rank evidence in ``extra`` that is keyed by name. The files
+        are this record's; names not in ``names`` stay."""
+
+        def param(name: str) -> str:
+            return names.get(name, name)
+
+        def entry(kind: str, name: str) -> str:
+            if kind != "optim" or name in names:
+                return param(name)
+            owner, key = split_optim_state_name(name)
+            return optim_state_name(param(owner), key) if owner in names else name
+
+        def by_kind(table: Mapping[str, Any]) -> dict[str, Any]:
+            return {kind: {entry(kind, n): v for n, v in entries.items()} if isinstance(entries, Mapping) else entries
+                    for kind, entries in table.items()}
+
+        steps = []
+        for s in self.steps:
+            extra = dict(s.extra)
+            for key in ("replica_mismatch", "replica_copies"):
+                if isinstance(extra.get(key), Mapping):
+                    extra[key] = by_kind(extra[key])
+            steps.append(dataclasses.replace(
+                s,
+                tensors=by_kind(s.tensors),
+                param_groups=[{**g, "params": [param(n) for n in g.get("params", [])]} if "params" in g else dict(g)
+                              for g in s.param_groups],
+                extra=extra,
+            ))
+        view = Record(self.path, {**self.meta, "renamed": dict(names)}, steps)
+        view._cache = self._cache
+        return view
 
     def __repr__(self) -> str:
         return f"Record({str(self.path)!r}, source={self.source!r}, steps={self.num_steps})"

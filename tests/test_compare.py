@@ -87,6 +87,26 @@ def test_missing_and_renamed_keys_are_structure_issues(ref: Record, tmp_path) ->
     assert "structure differs" in renamed.summary()
 
 
+def test_a_renaming_the_shapes_explain_is_reported_and_the_values_still_compared(ref: Record, tmp_path) -> None:
+    """Every name of fc1 renamed (its gradient, value and optimizer state alike) and fc2's
+    gradient doubled: the names are structure, and the doubled gradient is found under the
+    reference's name because the values were compared under the proposed renaming."""
+    names = {"fc1.weight": "up.w", "fc1.bias": "up.b"}
+    rename = {**names, **{f"{old}.{key}": f"{new}.{key}" for old, new in names.items() for key in ("exp_avg", "exp_avg_sq", "step")}}
+    double = lambda step, kind, name, t: t * 2 if (kind, name) == ("grad", "fc2.weight") else t  # noqa: E731
+    result = compare(ref, rewrite(ref, tmp_path / "ren", double, rename=rename))
+    assert result.renamed == {"up.w": "fc1.weight", "up.b": "fc1.bias"}
+    assert {(i.category, i.name) for i in result.structure if i.kind == "param"} == {
+        ("missing", "fc1.weight"), ("missing", "fc1.bias"), ("extra", "up.w"), ("extra", "up.b")}
+    assert {(t.kind, t.name) for t in result.failures() if t.step == 0} >= {("grad", "fc2.weight")}
+    assert all(t.passed for t in result.tensors if t.name.startswith("fc1."))  # compared, under the reference's names
+
+    # A renamed parameter beside one that is gone: more than a renaming, nothing compared under it.
+    drop = lambda step, kind, name, t: None if name.startswith("fc2.bias") else t  # noqa: E731
+    partial = compare(ref, rewrite(ref, tmp_path / "part", drop, rename={"fc1.bias": "b"}))
+    assert partial.renamed == {} and not any(t.name == "fc1.bias" for t in partial.tensors)
+
+
 def test_a_transposed_shard_is_found(ref: Record, tmp_path) -> None:
     def transpose(step: int, kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
         return t.t().contiguous() if (kind, name) == ("param", "fc1.weight") else t

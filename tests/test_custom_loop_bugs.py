@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from harness.targets.drive import diagnose_target
 
 LOOPS = Path(__file__).resolve().parent / "custom_loops"
@@ -92,3 +94,19 @@ def test_a_row_parallel_matmul_inline_in_the_models_forward_is_a_partial_sum(ran
     assert "the model's own forward" in bug.verdict.diagnoses[0].summary
     ok = _diagnose(f"{path}:correct", rank_runner, reference_cache, tmp_path / "ok")
     assert ok.verdict.verdict == "pass", ok.verdict.to_dict()
+
+
+@pytest.mark.parametrize("variant, says", [
+    ("", ["rank 1 raised SystemExit at ", "{file}:{line}"]),
+    ("os_exit", ["rank 1 died first (exit code 0: the test body called os._exit(0) at ", "{file}:{line} in train)"]),
+    ("returns", ["raised LoopEndedEarly: returns (", "{file}:{line}) returned on rank 1 after 1 of the case's 3 steps"]),
+])
+def test_a_rank_that_exits_or_returns_early_is_reported_as_that_ranks_exit(variant, says, rank_runner, reference_cache, tmp_path) -> None:
+    """sys.exit, os._exit or a return on one rank midway: the report leads with that rank's
+    exit and where it happened, with no code (not a hang, not collective-missing)."""
+    path = LOOPS / "exits_on_one_rank.py"
+    marker = {"": "exit: sys", "os_exit": "exit: os", "returns": "def returns"}[variant]
+    run = _diagnose(f"{path}:{variant}" if variant else str(path), rank_runner, reference_cache, tmp_path)
+    assert run.verdict.verdict == "error" and run.codes == [], run.verdict.to_dict()
+    for part in says:
+        assert part.format(file=path.name, line=_line(path, marker)) in run.verdict.error, run.verdict.error

@@ -323,7 +323,7 @@ class Mine(nn.Module):
         return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.up_w, self.up_b)), self.down_w, self.down_b)
 
 
-def train(ctx, run, names=NAMES):
+def train(ctx, run, names=NAMES, average=True):
     model = Mine(CASE.build_model(ctx.device))
     optimizer = CASE.build_optimizer(model.parameters())
     run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size), names=names)
@@ -334,7 +334,8 @@ def train(ctx, run, names=NAMES):
             run.loss(step, loss, batch.ids)
         for p in model.parameters():
             dist.all_reduce(p.grad)
-            p.grad /= ctx.world_size
+            if average:
+                p.grad /= ctx.world_size
         run.before_step(step)
         optimizer.step()
         run.after_step(step)
@@ -343,6 +344,10 @@ def train(ctx, run, names=NAMES):
 
 def unnamed(ctx, run):
     train(ctx, run, names=None)
+
+
+def unnamed_unaveraged(ctx, run):
+    train(ctx, run, names=None, average=False)
 '''
 
 
@@ -358,6 +363,17 @@ def test_renamed_parameters_are_mapped_by_watch_and_proposed_from_shapes(rank_ru
     assert unnamed.codes == ["state-structure"], unnamed.verdict.to_dict()
     hints = unnamed.verdict.diagnoses[0].evidence["hints"]
     assert any("names={" in h and "'up_w': 'fc1.weight'" in h and "'down_b': 'fc2.bias'" in h for h in hints), hints
+    assert unnamed.verdict.diagnoses[0].evidence["compared_under_proposed_names"]["up_w"] == "fc1.weight"
+
+
+def test_a_naming_mismatch_does_not_hide_the_bug_under_it(rank_runner, reference_cache, tmp_path) -> None:
+    """The names differ from the reference's by a renaming the shapes propose one to one: the
+    values are compared under it, so the gradients summed without averaging are named beside
+    the names (which still fail as state-structure)."""
+    path = tmp_path / "renamed.py"
+    path.write_text(RENAMED_LOOP)
+    run = diagnose_target(f"{path}:unnamed_unaveraged", runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    assert run.codes == ["state-structure", "grad-not-averaged"], run.verdict.to_dict()
 
 
 def test_a_target_that_is_neither_strategy_nor_loop_says_what_is_allowed(tmp_path) -> None:
@@ -399,3 +415,39 @@ def test_a_hand_written_row_parallel_without_its_all_reduce_is_tp_partial_sum(ra
     assert bug.verdict.diagnoses[0].evidence["module"] == "fc2"
     ok = diagnose_target(f"{path}:correct", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok")
     assert ok.verdict.verdict == "pass", ok.verdict.to_dict()
+
+
+def test_sigterm_to_the_cli_ends_the_run_at_once_and_names_what_it_recorded(tmp_path) -> None:
+    """SIGTERM mid-run (a CI job cancelled): the CLI exits 143 within seconds, names the record
+    its ranks had checkpointed, and no rank outlives it."""
+    import signal
+    import time
+    import uuid
+
+    from tests._procs import processes_with_env
+
+    started = tmp_path / "started"
+    started.mkdir()
+    tag = f"HARNESS_TEST_TAG={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "STARTED_DIR": str(started), tag.split("=")[0]: tag.split("=")[1]}
+    loop = REPO / "tests" / "custom_loops" / "sleeps_at_step_one.py"
+    child = subprocess.Popen([sys.executable, "-m", "harness", "diagnose", str(loop), "--stall-window", "0", "-q",
+                              "--cache", str(tmp_path / "cache")],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.1)  # both ranks asleep in step 1, step 0 recorded
+        assert len(list(started.iterdir())) == 2, child.communicate(timeout=30)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=120)  # the ranks sleep 600 s: only the signal ends it sooner
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 143, (out, err)
+    assert "interrupted (SIGTERM)" in err and "unfinished record" in err and ".custom-mlp-sgd-w2.partial-" in err, err
+    deadline = time.monotonic() + 10
+    while processes_with_env(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with_env(tag) == [], "rank processes outlived the CLI"

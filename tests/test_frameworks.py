@@ -1,7 +1,8 @@
 """Framework loops on the real frameworks (files under ``tests/framework_loops``): each correct
 loop passes with the defaults and each planted bug is named. The harness reads the state where
 the framework keeps it (DeepSpeed ZeRO partitions, Megatron-Core shard attributes, Fabric's and
-DeepSpeed's wrapper names) and records at the framework's own optimizer step."""
+DeepSpeed's wrapper names, torchtitan's DTensors) and records at the framework's own optimizer
+step."""
 
 from __future__ import annotations
 
@@ -114,6 +115,24 @@ def test_a_strided_megatron_partition_is_refused_with_the_reason() -> None:
     weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, 0, 2
     with pytest.raises(GatherError, match=r"partitioned with stride 2 along dim 0: strided partitions interleave"):
         shard_spec(weight)
+
+
+# -- torchtitan ------------------------------------------------------------------------------
+
+
+def test_torchtitan_tp_on_its_llama3_passes_gathered_from_its_dtensors(rank_runner, reference_cache, tmp_path) -> None:
+    """torchtitan's parallelize_llama with tp = 2 (sequence parallel on, FSDP at degree 1): the
+    parameters are DTensors on its (fsdp, tp) mesh, gathered by the harness with no run.shard."""
+    pytest.importorskip("torchtitan")
+    _passes(f"{LOOPS / 'torchtitan_tp.py'}:correct", rank_runner, reference_cache, tmp_path)
+
+
+def test_torchtitan_tokens_counted_over_the_tp_group_is_grad_scaled_by_tp(rank_runner, reference_cache, tmp_path) -> None:
+    """The global token count summed over every rank instead of torchtitan's batch mesh: the TP
+    peers' identical tokens counted twice, every gradient half the reference's."""
+    pytest.importorskip("torchtitan")
+    ev = _names(str(LOOPS / "torchtitan_tp.py"), "grad-scaled", rank_runner, reference_cache, tmp_path)
+    assert ev["factor"] == pytest.approx(0.5) and ev["likely_source"] == "/ tensor-parallel size (2)", ev
 
 
 # -- names and declarations ------------------------------------------------------------------

@@ -7,6 +7,7 @@ that leftover rank processes can be found afterwards.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -63,9 +64,25 @@ def test_fixtures_reach_ranks(dist_ctx, x, payload, tmp_path):
 
 
 class TestMethods:
+    @classmethod
+    def setup_class(cls):
+        cls.base = 10
+
+    @pytest.fixture(autouse=True)
+    def _offset(self, request):
+        request.cls.offset = 5
+
+    def setup_method(self, method):
+        self.scale = 3
+        self.where = method.__name__
+
     @pytest.mark.distributed
     def test_method(self, dist_ctx):
-        dist.all_reduce(torch.ones(1))
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        # What pytest set up for the method reaches every rank's instance.
+        assert (self.scale, self.base, self.offset, self.where) == (3, 10, 5, "test_method")
+        assert t.item() * self.scale == 3 * dist_ctx.world_size
 
 
 @pytest.mark.distributed
@@ -223,7 +240,8 @@ def test_failures_crashes_and_hangs_are_reported_per_rank(pytester, monkeypatch)
     assert "rank 0: " in segv
 
     exited = _section(out, "test_exit_code")
-    assert "rank 0 died first (exit code 7), of 2 ranks" in exited
+    assert "rank 0 died first (exit code 7: the test body called os._exit(7) at " in exited  # the line that exited
+    assert re.search(r"test_failing\.py:\d+ in test_exit_code\), of 2 ranks", exited), exited
 
     hang = _section(out, "test_mismatched_collectives")
     assert "TIMEOUT: the test did not finish on all 2 ranks within 6 s" in hang
@@ -287,6 +305,15 @@ def test_unpicklable_fixture(dist_ctx, lock):
 @pytest.mark.distributed
 def test_body_not_importable_on_ranks(dist_ctx):
     pass
+
+
+class TestLockedState:
+    def setup_method(self, method):
+        self.lock = threading.Lock()
+
+    @pytest.mark.distributed
+    def test_method_with_unpicklable_state(self, dist_ctx):
+        pass
 """
 
 
@@ -294,7 +321,7 @@ def test_bad_markers_and_bodies_get_clear_errors(pytester, monkeypatch):
     tag = _child_env(monkeypatch)
     pytester.makepyfile(test_bad=BAD_INPUT)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
-    result.assert_outcomes(errors=5, failed=2)
+    result.assert_outcomes(errors=5, failed=3)
     out = result.stdout.str()
     assert "nproc=0 is not allowed; it must be an integer >= 1" in out
     # Refused before any rank forks, with the bound's arithmetic and the override.
@@ -305,6 +332,8 @@ def test_bad_markers_and_bodies_get_clear_errors(pytester, monkeypatch):
     assert "fixture or parameter 'lock' (a lock) cannot be sent to the ranks" in out
     assert "could not load the test body test_body_not_importable_on_ranks" in out
     assert "ImportError: this module only imports in the pytest process" in out
+    assert "self.lock (a lock), set up for test_bad.py::TestLockedState::test_method_with_unpicklable_state in the pytest " \
+           "process, cannot be sent to the ranks" in out
     _assert_no_leftovers(tag)
 
 
@@ -375,7 +404,10 @@ def test_hangs(dist_ctx):
 """
 
 
-def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_and_sigterm_leave_no_rank_behind(pytester, monkeypatch, signum):
+    """Ctrl-C, or SIGTERM (a CI runner cancelling the job), mid-test: the session ends at
+    once as interrupted, and no rank outlives it."""
     tag = _child_env(monkeypatch)
     started = pytester.mkdir("started")
     monkeypatch.setenv("STARTED_DIR", str(started))
@@ -397,7 +429,7 @@ def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch):
             time.sleep(0.1)  # until both ranks are inside the test body
         assert len(list(started.iterdir())) == 2
         assert processes_with_env(tag), "the ranks should be running now"
-        child.send_signal(signal.SIGINT)
+        child.send_signal(signum)
         child.wait(timeout=60)
     finally:
         if child.poll() is None:
@@ -650,4 +682,107 @@ def test_the_fork_server_starts_at_configure_only_when_ranks_are_asked_for(pytes
     pytester.makepyfile(test_prestart=PRESTART)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=CHILD_DEADLINE)
     result.assert_outcomes(passed=1)
+    _assert_no_leftovers(tag)
+
+
+PYTEST_TIMEOUT = """
+import os
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed
+def test_warms_the_pool(dist_ctx):
+    dist.barrier()
+
+
+@pytest.mark.timeout(4, method=os.environ["TIMEOUT_METHOD"])
+@pytest.mark.distributed(timeout=120)
+def test_outlives_its_timeout(dist_ctx):
+    open(os.path.join(os.environ["LATE_DIR"], f"started{dist_ctx.rank}"), "w").close()
+    time.sleep(12)  # long past pytest-timeout's 4 s
+    open(os.path.join(os.environ["LATE_DIR"], f"finished{dist_ctx.rank}"), "w").close()
+
+
+@pytest.mark.distributed
+def test_next_gets_its_own_result(dist_ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist_ctx.world_size
+"""
+
+
+@pytest.mark.parametrize("method", ["signal", "thread"])
+def test_pytest_timeout_leaves_no_pool_running_the_old_body(pytester, monkeypatch, method):
+    """pytest-timeout fails a distributed test from the pytest process. signal: the harness
+    kills the ranks running that body (they never finish it), and the next test runs on a
+    fresh pool with its own result. thread: pytest-timeout ends the whole session, and the
+    ranks go with it."""
+    pytest.importorskip("pytest_timeout")
+    tag = _child_env(monkeypatch)
+    late = pytester.mkdir("late")
+    monkeypatch.setenv("LATE_DIR", str(late))
+    monkeypatch.setenv("TIMEOUT_METHOD", method)
+    pytester.makepyfile(test_timeouts=PYTEST_TIMEOUT)
+    result = pytester.runpytest_subprocess("--nproc", "2", "-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
+    out = result.stdout.str() + result.stderr.str()
+    assert "Timeout" in out, out
+    if method == "signal":
+        result.assert_outcomes(failed=1, passed=2)
+    else:
+        assert result.ret != 0
+    _assert_no_leftovers(tag)
+    assert sorted(p.name for p in late.iterdir()) == ["started0", "started1"]  # the body was running
+    started_at = max(p.stat().st_mtime for p in late.iterdir())
+    time.sleep(max(0.0, started_at + 13 - time.time()))  # past when the old body would have finished, had its ranks lived
+    assert sorted(p.name for p in late.iterdir()) == ["started0", "started1"], "a rank went on with the timed-out body"
+
+
+SELECTION = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed
+def test_alpha(dist_ctx):
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_beta(dist_ctx):
+    assert dist_ctx.rank == 0, "beta fails on rank 1"
+
+
+@pytest.mark.distributed
+def test_gamma(dist_ctx):
+    dist.barrier()
+
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.distributed
+def test_repeat(dist_ctx, i):
+    t = torch.full((1,), float(i))
+    dist.all_reduce(t)
+    assert t.item() == i * dist_ctx.world_size
+"""
+
+
+def test_x_lf_k_and_repeats_select_as_without_the_harness(pytester, monkeypatch):
+    """-x stops at the first failure, --lf reruns only it, -k selects, a test repeated by
+    parametrize runs each time with its own result; no rank outlives any of the sessions."""
+    tag = _child_env(monkeypatch)
+    pytester.makepyfile(test_select=SELECTION)
+    stop = pytester.runpytest_subprocess("--nproc", "2", "-x", timeout=CHILD_DEADLINE)
+    stop.assert_outcomes(passed=1, failed=1)
+    assert "beta fails on rank 1" in stop.stdout.str()
+    _assert_no_leftovers(tag)
+    last = pytester.runpytest_subprocess("--nproc", "2", "--lf", timeout=CHILD_DEADLINE)
+    last.assert_outcomes(failed=1)
+    assert "rerun previous 1 failure" in last.stdout.str()
+    _assert_no_leftovers(tag)
+    chosen = pytester.runpytest_subprocess("--nproc", "2", "-k", "repeat or gamma", "-p", "no:cacheprovider", timeout=CHILD_DEADLINE)
+    chosen.assert_outcomes(passed=4, deselected=2)
     _assert_no_leftovers(tag)

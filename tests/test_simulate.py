@@ -226,6 +226,22 @@ def test_cli_refuses_fsdp_under_simulation_with_usage_status(capsys) -> None:
     assert cli.main(["diagnose", "tp", "--simulate", "2", "--nproc", "2"]) == cli.EXIT_USAGE
 
 
+def test_layout_of_a_model_the_degrees_do_not_split_is_a_usage_error(capsys) -> None:
+    """--heads / --layers fix the model: tp=5 over 4 heads (or pp=3 over 4 layers) exits with
+    the usage status naming the degrees that would split it; without them the plan says how
+    it widened the model."""
+    from harness import cli
+
+    assert cli.main(["layout", "--dp", "3", "--tp", "5", "--heads", "4", "-q"]) == cli.EXIT_USAGE
+    assert "tp=5 does not divide the model's 4 heads; tp may be one of [1, 2, 4]" in capsys.readouterr().err
+    assert cli.main(["layout", "--pp", "3", "--layers", "4", "-q"]) == cli.EXIT_USAGE
+    assert "pp=3 does not divide the model's 4 layers" in capsys.readouterr().err
+    assert cli.main(["layout", "--heads", "0"]) == cli.EXIT_USAGE
+    plan = layout_plan(dp=3, tp=5)
+    assert "5 heads, not 4, so that tp=5 divides them" in plan.description
+    assert "widened" not in layout_plan(tp=2, heads=4, layers=4).description
+
+
 @pytest.mark.slow
 def test_the_simulated_demo_names_every_mesh_bug_at_8_ranks(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "harness", "diagnose", "--simulate", "8", "-q", "--out", str(tmp_path)],

@@ -75,6 +75,15 @@ class StopsAtStep2(DDPStrategy):
 @pytest.mark.parametrize("how", ["raise", "hang"])
 def test_midway(dist_ctx, tmp_path, how):
     assert_matches_reference(mlp_case("sgd"), StopsAtStep2(how), dist_ctx, steps=3, cache=tmp_path / "c")
+
+
+@pytest.mark.distributed(nproc=2, timeout=60)
+def test_own_check(dist_ctx, tmp_path):
+    from cases.bugs.double_averaged_ddp import DoubleAveragedDDP
+    from harness.run import run_strategy
+
+    result = run_strategy(mlp_case("sgd"), DoubleAveragedDDP(), dist_ctx, steps=2, workdir=tmp_path / "mine", cache=tmp_path / "c")
+    assert result.comparison.passed, "my own check of the comparison"
 """
 
 
@@ -87,7 +96,7 @@ def test_a_check_that_raises_or_hangs_midway_names_its_steps_and_writes_html(pyt
     reports = pytester.path / "out"
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-report-dir", str(reports),
                                            "--dist-stall-window", "3", timeout=240)
-    result.assert_outcomes(failed=2)
+    result.assert_outcomes(failed=3)
     out = result.stdout.str()
     # Raised: the ranks' recorders publish step 0 and step 1's gradients. Hung in step 1's
     # optimizer step and killed: step 0, checkpointed, is in the unfinished record.
@@ -99,7 +108,16 @@ def test_a_check_that_raises_or_hangs_midway_names_its_steps_and_writes_html(pyt
         assert "html report: " in section
     assert "(2 steps, incomplete)" in out
     assert "RuntimeError: my strategy broke at step 2" in out
+    # The test's own assertion on run_strategy(workdir=...): its record folder and an HTML
+    # report of the comparison are named beside the user's message.
+    start = out.index("test_own_check _")
+    section = out[start:out.find("\n_____", start + 1)]
+    assert "my own check of the comparison" in section and "parallel record: " in section and "/mine/" in section, section
+    assert "(2 steps, complete)" in section and "html report: " in section, section
     html = {p.name: p.read_text() for p in reports.glob("*.html")}
-    assert sorted(html) == ["test_midway.py_test_midway_hang.html", "test_midway.py_test_midway_raise.html"], sorted(html)
+    assert sorted(html) == ["test_midway.py_test_midway_hang.html", "test_midway.py_test_midway_raise.html",
+                            "test_midway.py_test_own_check.html"], sorted(html)
     assert "my strategy broke at step 2" in html["test_midway.py_test_midway_raise.html"]
     assert "collective-missing" in html["test_midway.py_test_midway_hang.html"]
+    assert "all_reduce" in html["test_midway.py_test_midway_hang.html"]  # the ranks' collectives, from their dumps
+    assert "MISMATCH" in html["test_midway.py_test_own_check.html"]  # the comparison's failing tensors

@@ -119,6 +119,22 @@ def test_a_skipped_collective_is_named_missing_with_who_waits_and_who_never_came
     assert ev["call_site"].endswith(f"test_tracing_hang.py:{_line(skips_a_collective, 'only rank 0')} in skips_a_collective")
     assert "finished its test body" in ev["absent"]["1"]
     assert "rank 0 waits in all_reduce" in found[0].summary and "rank 1 never issued it" in found[0].summary
+    # The collectives the ranks reported to the launcher are the trace of a run stopped before
+    # it saved its own: a hung run's report and --trace hold them.
+    from types import SimpleNamespace
+
+    from harness.report import chrome_trace
+    from harness.report.model import build_report
+    from harness.tracing.hang import outcome_trace
+
+    trace = outcome_trace(hung.outcome)
+    events = trace.to_report()["events"]
+    assert sorted(events) == ["0", "1"] and events["0"][-1]["op"] == "all_reduce", events
+    assert len(events["0"]) == len(events["1"]) + 1  # rank 0's extra, waiting all_reduce
+    target = SimpleNamespace(name="t", source="", description="", strategy=None, expected_code=None)
+    report = build_report(target=target, case=SimpleNamespace(name="c", steps=1), nproc=2, trace=trace, hang=True, diagnoses=found)
+    spans = [e for e in chrome_trace(report)["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1} and len(spans) == len(events["0"]) + len(events["1"])
 
 
 def test_an_unmatched_receive_is_named_missing(rank_runner) -> None:

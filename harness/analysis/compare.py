@@ -176,6 +176,10 @@ class CompareResult:
     # statistics and it is ``reference``; else, for a run that failed, whether it matches that
     # one instead ("passed"), and how far the two references are apart ("references_differ_by").
     per_replica: dict[str, Any] = field(default_factory=dict)
+    # Recorded name -> reference name, proposed from the shapes where the names differ but a
+    # one-to-one renaming explains every difference of the structure: the values were compared
+    # under it (the names are still reported as structure).
+    renamed: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -425,9 +429,12 @@ def _brief(value: Any) -> Any:
     return value if len(text) <= 200 else text[:200] + "..."
 
 
-def _rename_hints(issues: Iterable[StructureIssue], expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+def _rename_hints(
+    issues: Iterable[StructureIssue], expected: dict[str, Any], actual: dict[str, Any]
+) -> tuple[list[str], dict[str, str]]:
     """Pair each missing parameter with the extra one of the same shape and dtype (or its
-    transpose), and propose the whole mapping as ``run.watch(..., names={...})`` takes it."""
+    transpose), and propose the whole mapping as ``run.watch(..., names={...})`` takes it:
+    the hints, and the proposal (recorded name -> reference name; pairs of one candidate)."""
     hints = []
     missing = [i for i in issues if i.category == "missing" and i.name and i.step == 0 and i.kind == "param"]
     extra = [i for i in issues if i.category == "extra" and i.name and i.step == 0 and i.kind == "param"]
@@ -447,7 +454,24 @@ def _rename_hints(issues: Iterable[StructureIssue], expected: dict[str, Any], ac
             hints.append(f"param {m.name!r} may have been renamed to one of {[x.name for x in same]} (same shape)")
     if proposal:
         hints.append(f"renamed parameters, proposed from their shapes: run.watch(model, optimizer, layout, names={proposal!r})")
-    return hints[:12]
+    return hints[:12], proposal
+
+
+def _explains(proposal: dict[str, str], actual: Record, expected_structure: dict[str, Any]) -> bool:
+    return bool(proposal) and _structure(actual.renamed(proposal)) == expected_structure
+
+
+def proposed_renaming(reference: Record, actual: Record) -> dict[str, str]:
+    """Recorded name -> reference name, when the two records differ only by a one-to-one
+    renaming of parameters that their shapes and dtypes propose (each pair the only candidate);
+    else empty. Whatever compares or replays ``actual`` by name reads it through
+    ``actual.renamed(...)`` of this."""
+    expected_structure, actual_structure = _structure(reference), _structure(actual)
+    if expected_structure == actual_structure:
+        return {}
+    issues = _structure_issues(DeepDiff(expected_structure, actual_structure, verbose_level=2))
+    _, proposal = _rename_hints(issues, expected_structure, actual_structure)
+    return proposal if _explains(proposal, actual, expected_structure) else {}
 
 
 def _transposed(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -512,7 +536,16 @@ def compare(
     if diff:
         result.structure = _structure_issues(diff)
         result.structure_text = diff.pretty()
-        result.notes += _rename_hints(result.structure, expected_structure, actual_structure)
+        hints, proposal = _rename_hints(result.structure, expected_structure, actual_structure)
+        result.notes += hints
+        # A renaming that explains the whole difference: compare the values under it, so a
+        # naming mismatch never hides what the values show (the names stay reported).
+        if _explains(proposal, actual, expected_structure):
+            result.renamed = proposal
+            actual = actual.renamed(proposal)
+            result.notes.append(
+                f"values compared under the names proposed from the shapes ({len(proposal)} renamed parameters)"
+            )
 
     dtype = reference_dtype(reference)
     sign_uncertain_counts: dict[str, tuple[int, torch.Tensor]] = {}  # see adaptive_sign_noise

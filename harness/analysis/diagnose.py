@@ -61,6 +61,13 @@ _ROOT_CODES = frozenset(
 )
 
 
+def _root_found(found: Iterable[Diagnosis]) -> bool:
+    """A named root cause (samples, mesh, forward, structure) explains the value differences.
+    Names that differ only by a renaming the comparison resolved from the shapes are not one:
+    the values were compared under the proposed names, so what they show is named too."""
+    return any(d.code in _ROOT_CODES and not d.evidence.get("compared_under_proposed_names") for d in found)
+
+
 @dataclass
 class Verdict:
     """The overall outcome: ``verdict`` is "pass", "fail", "hang" or "error"."""
@@ -140,7 +147,8 @@ class Analysis:
         self.case = case
         self.cmp = comparison
         self.ref = reference
-        self.act = actual
+        # Values were compared under the names proposed from the shapes: read them so here too.
+        self.act = actual.renamed(comparison.renamed) if comparison.renamed else actual
         self.trace = trace
         self.extra = list(findings)
         self.probe = probe
@@ -291,6 +299,7 @@ class Analysis:
                         ],
                         "deepdiff": self.cmp.structure_text[:4000],
                         "hints": [n for n in self.cmp.notes if "renamed" in n],
+                        **({"compared_under_proposed_names": dict(self.cmp.renamed)} if self.cmp.renamed else {}),
                     },
                 )
             )
@@ -309,8 +318,8 @@ class Analysis:
         comps = [t for t in self.cmp.tensors if t.kind == "grad" and t.step == step]
         failing = [t for t in comps if not t.passed]
         out: list[Diagnosis] = []
-        if any(d.code in _ROOT_CODES for d in found):
-            return out  # a named root cause (samples, mesh, forward, structure) explains the gradients
+        if _root_found(found):
+            return out
         # Data-parallel replicas disagree on a gradient: the sync never happened for it. Copies
         # that differ only inside one replica (the tensor-parallel ranks of a replicated norm)
         # are not replicas: a TP cause (partial sum, RNG) or numeric-mismatch, never this code.
@@ -612,7 +621,7 @@ class Analysis:
     # -- replicas ----------------------------------------------------------------------------
 
     def _replica_divergence(self, found: list[Diagnosis]) -> list[Diagnosis]:
-        if any(d.code in ("missing-grad-sync", "replica-divergence") or d.code in _ROOT_CODES for d in found):
+        if any(d.code in ("missing-grad-sync", "replica-divergence") for d in found) or _root_found(found):
             return []
         for s in self.act.steps:
             mismatched = s.extra.get("replica_mismatch", {}).get("param", {})
@@ -669,7 +678,7 @@ class Analysis:
         one-device one (a batch statistic computed per replica: undeclared), or the case
         declares per-replica statistics that do not cover what depends on the batch."""
         view = self.cmp.per_replica
-        if not view or self.case is None or any(d.code in _ROOT_CODES for d in found):
+        if not view or self.case is None or _root_found(found):
             return []
         from harness.analysis import per_replica
 
@@ -721,7 +730,7 @@ class Analysis:
         replica, and whether the peers drew alike), judged whatever the comparison says; else,
         for a run that failed its comparison, from the ranks' first-step fingerprints
         (harness.tracing.random_ops)."""
-        if any(d.code in _ROOT_CODES for d in found):
+        if _root_found(found):
             return []
         replays = [(s.step, s.extra["draw_replay"]) for s in self.ref.steps if "draw_replay" in s.extra]
         judged = self._judge_replayed_draws(replays) if replays else []

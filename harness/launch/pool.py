@@ -9,6 +9,7 @@ kills the whole process tree; a pool that saw a crash, hang or desync is never r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import select
@@ -27,7 +28,7 @@ from typing import Any
 
 from harness import HARNESS_DIR
 from harness.launch import procs
-from harness.launch.worker import capture_path, journal_path, read_journal
+from harness.launch.worker import capture_path, exit_note_path, journal_path, read_exit_note, read_journal
 from harness.launch.protocol import (
     HANDSHAKE_CONTROL,
     CollectiveEntry,
@@ -506,9 +507,11 @@ class RankPool:
         """Run ``task`` on every rank; ``stall_window`` overrides the pool's for this call."""
         try:
             return self._run(task, timeout, self.config.stall_window if stall_window is None else stall_window)
-        except KeyboardInterrupt:
-            # Ctrl-C while the ranks are inside a test body: they would not answer an orderly
-            # shutdown, so their trees are killed now and the interrupt goes on at once.
+        except BaseException:
+            # Ctrl-C, SIGTERM, or an exception raised into this wait from outside (pytest-timeout's
+            # signal method fails the test from its SIGALRM handler) while the ranks are inside
+            # a test body: they would not answer an orderly shutdown and must never hand this
+            # body's result to the next test, so their trees are killed now and it goes on.
             self.close()
             raise
 
@@ -553,6 +556,8 @@ class RankPool:
                 if r.exited() or (r.exit_fd is not None and r.exit_fd in ready):
                     r.proc.wait(timeout=5)
                     outcome.deaths[r.rank] = procs.describe_exit(r.proc.returncode)
+                    if note := read_exit_note(exit_note_path(self.workdir, r.rank)):
+                        outcome.deaths[r.rank] += f": the test body called {note}"
                     outcome.death_times[r.rank] = time.monotonic()
                     outcome.death_logs[r.rank] = (
                         _tail(r.log_path) + _tail(capture_path(self.workdir, r.rank))
@@ -560,6 +565,11 @@ class RankPool:
                     del pending[r.rank]
                     if first_failure is None:
                         first_failure = time.monotonic()
+        if self.zygote is not None and any("SIGKILL" in d for d in outcome.deaths.values()):
+            # Ranks die of SIGKILL when the fork server dies (their PDEATHSIG), and the kernel
+            # signals them before their parent can be waited for: give it a moment to be.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.zygote.proc.wait(timeout=1)
         if self.zygote is not None and outcome.deaths and not self.zygote.alive():
             outcome.fork_server_death = procs.describe_exit(self.zygote.proc.returncode)
             outcome.fork_server_pid = self.zygote.proc.pid

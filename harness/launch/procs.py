@@ -6,9 +6,39 @@ import ctypes
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as an interrupt is: the launcher's Ctrl-C cleanup
+    (rank trees killed, what was recorded named) runs for it too."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def terminate_as_interrupt() -> Callable[[], None]:
+    """From now on SIGTERM raises :class:`Terminated` in the main thread, where SIGTERM still
+    has its default action (ended on the spot, with the ranks' trees left to notice their
+    launcher is gone); a handler someone else installed is kept. Returns the restorer."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise Terminated(f"terminated by signal {signum} (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is raise_terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    return restore
 
 
 def die_with_parent() -> None:

@@ -29,6 +29,9 @@ class TestTask:
     seed: int = 0
     plain_import: bool = False  # import module_name normally (library code), not as a test file
     run_dir: str = ""  # where harness.testing writes this test's records ($HARNESS_RUN_DIR on the ranks)
+    # A test method's state as pytest set it up (setup_method, fixtures that set self.x or
+    # cls.x): pickled {"instance": vars(self), "class": plain class attributes}; b"" for a function.
+    state_pickle: bytes = b""
 
 
 @dataclass

@@ -97,6 +97,53 @@ def journal_path(workdir: str, rank: int) -> str:
     return os.path.join(workdir, f"rank{rank}-collectives.jsonl")
 
 
+def exit_note_path(workdir: str, rank: int) -> str:
+    """Where a rank notes the line that called ``os._exit`` during a test body (read by the
+    launcher when the rank dies: an exit status alone does not say where)."""
+    return os.path.join(workdir, f"rank{rank}-exit-note.txt")
+
+
+def read_exit_note(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+class _ExitNote:
+    """While a test body runs: ``os._exit(n)`` called from this process's main thread first
+    writes ``"os._exit(n) at file:line in fn"`` to the rank's note file. Forked children
+    (DataLoader workers end through ``os._exit``) and other threads write nothing."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._real = os._exit
+
+    def __enter__(self) -> "_ExitNote":
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        pid, main, real, path = os.getpid(), threading.get_ident(), self._real, self.path
+
+        def noted_exit(status: int) -> None:
+            if os.getpid() == pid and threading.get_ident() == main:
+                caller = sys._getframe(1)
+                try:
+                    with open(path, "w", encoding="utf-8") as fh:
+                        fh.write(f"os._exit({status}) at {caller.f_code.co_filename}:{caller.f_lineno} in {caller.f_code.co_name}")
+                except OSError:
+                    pass
+            real(status)
+
+        os._exit = noted_exit  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os._exit = self._real  # type: ignore[assignment]
+
+
 def read_journal(path: str) -> list[Any]:
     """A journal's calls as ``CollectiveEntry`` rows, oldest first (p2p ops numbered per
     channel); [] when there is none. A last line cut short by the rank's death is skipped."""
@@ -173,10 +220,16 @@ def _resolve(module: ModuleType, qualname: str) -> tuple[Callable[..., Any], typ
     return getattr(owner, parts[-1]), cls
 
 
-def _call_test(fn: Callable[..., Any], cls: type | None, kwargs: dict[str, Any]) -> Any:
+def _call_test(fn: Callable[..., Any], cls: type | None, kwargs: dict[str, Any], state_pickle: bytes = b"") -> Any:
     __tracebackhide__ = True
     if cls is not None:
         instance = cls()
+        # The state pytest's setup gave the instance and the class in the pytest process
+        # (setup_method / setup_class, fixtures setting self.x or cls.x): not run again here.
+        state = pickle.loads(state_pickle) if state_pickle else {}
+        for name, value in state.get("class", {}).items():
+            setattr(cls, name, value)
+        vars(instance).update(state.get("instance", {}))
         fn = getattr(instance, fn.__name__)
     result = fn(**kwargs)
     if hasattr(result, "__await__"):
@@ -237,7 +290,7 @@ class RankWorker:
         self.state = "starting"
         self.capture_path = ""
         self.main_ident = threading.get_ident()
-        self.first_record_id = -1
+        self.test_mark = -1
         self.baseline: Any = None
 
     # -- control channel (runs in a thread) -------------------------------------------------
@@ -282,7 +335,7 @@ class RankWorker:
             stack=stack,
             waiting_in=waiting_in,
             user_site=user_site,
-            collectives=dump.read_entries(self.first_record_id)[-20:],
+            collectives=dump.read_entries(self.test_mark)[-20:],
             stdout_tail=procs.tail_of(self.capture_path) if self.capture_path else "",
         )
 
@@ -327,7 +380,7 @@ class RankWorker:
             os.environ["HARNESS_RUN_DIR"] = task.run_dir
         else:
             os.environ.pop("HARNESS_RUN_DIR", None)
-        self.first_record_id = dump.last_record_id()
+        self.test_mark = dump.mark_test_start()
         hooks.open_journal(journal_path(self.workdir, self.rank), dump.seq_ids_at_last_mark())
         capture = _FdCapture(capture_path(self.workdir, self.rank))
         self.capture_path = capture.path
@@ -359,8 +412,8 @@ class RankWorker:
             for name in task.ctx_argnames:
                 kwargs[name] = ctx
             seed_everything(task.seed)
-            with capture:
-                value = _call_test(fn, cls, kwargs)
+            with capture, _ExitNote(exit_note_path(self.workdir, self.rank)):
+                value = _call_test(fn, cls, kwargs, task.state_pickle)
             if value is not None:
                 try:
                     value_pickle = pickle.dumps(value)

@@ -33,6 +33,7 @@ loop uses :attr:`CustomRun.step` and :attr:`CustomRun.done` (README, "Framework 
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,7 +48,11 @@ from harness.record.gather import annotate_shard, rename_parameters, set_layout_
 from harness.parallel_dims import RankLayout
 from harness.record.recorder import RankRecorder, RecorderError
 
-__all__ = ["CustomRun"]
+__all__ = ["CustomRun", "LoopEndedEarly"]
+
+
+class LoopEndedEarly(RuntimeError):
+    """A custom loop returned on a rank before it recorded every step of the case."""
 
 
 class CustomRun:
@@ -68,6 +73,7 @@ class CustomRun:
         self.model: Any = None
         self.probe: Any = None  # harness.record.probe.ActivationProbe once watch() was called
         self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
+        self.steps_done = 0  # steps recorded to the end (after_step calls)
 
     @property
     def steps(self) -> int:
@@ -257,9 +263,24 @@ class CustomRun:
         rec = self._rec("after_step")
         with self._harness_phase():
             rec.after_step(step)
+        self.steps_done += 1
         rec.start_draws()  # the next step's
         if self.tracer is not None:
             self.tracer.set_phase("train")
+
+    def check_ran_every_step(self, train: Any) -> None:
+        """Local, after the loop returned: it recorded every step of the case on this rank.
+        A loop that returns early on one rank leaves the others waiting in the next step's
+        collectives; said here, as this rank's exit, before any collective of the harness."""
+        if self.recorder is None or self.steps_done >= self.case.steps:
+            return
+        code = getattr(inspect.unwrap(train), "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        name = getattr(train, "__name__", "train")
+        raise LoopEndedEarly(
+            f"{name}{where} returned on rank {self.ctx.rank} after {self.steps_done} of the case's {self.case.steps} "
+            "steps; a loop runs run.steps steps on every rank (loop over range(run.steps), or stop at run.done)"
+        )
 
     def stop_draws(self) -> None:
         """Local: stop logging the loop's random draws (the loop ended, or raised)."""

@@ -119,6 +119,7 @@ def diagnose_on_rank(
         with tracer:
             try:
                 target.train(ctx, run)
+                run.check_ran_every_step(target.train)
             finally:
                 run.stop_draws()  # before the tracer's own log: dispatch modes are a stack
     except BaseException:
@@ -212,11 +213,15 @@ def diagnose_target(
         report = result.values.get(0)
         if not isinstance(report, DiagnosisReport):
             raise RanksFailed(f"rank 0 returned {type(report).__name__}, not a report", result.outcome)  # type: ignore[arg-type]
+    except KeyboardInterrupt as exc:
+        # Ctrl-C / SIGTERM: the ranks are gone (the pool killed them); what they recorded stays.
+        exc.left_behind = recorded_lines(left_behind(work)[2]) or f"\n\nnothing recorded yet (run folder {work})"  # type: ignore[attr-defined]
+        raise
     except RanksHung as exc:
         report = _hang_report(resolved, world, steps, exc, work)
     except RanksFailed as exc:
         case = resolved.case if steps is None else resolved.case.replace(steps=steps)
-        record, trace, recorded = left_behind(work)
+        record, trace, recorded = left_behind(work, exc.outcome)
         raised = own_exception(exc.outcome)
         # A rank's own exception (the user's code, or a check of the case) is the cause: the
         # others waiting in a collective are its consequence, not a missing collective.
@@ -278,6 +283,6 @@ def hang_diagnoses(outcome: Any) -> list[Diagnosis]:
 
 def _hang_report(target: Target, world: int, steps: int | None, exc: RanksHung, work: str) -> DiagnosisReport:
     case = target.case if steps is None else target.case.replace(steps=steps)
-    record, trace, recorded = left_behind(work)
+    record, trace, recorded = left_behind(work, exc.outcome)
     return build_report(target=target, case=case, nproc=world, diagnoses=hang_diagnoses(exc.outcome), hang=True,
                         actual=record, trace=trace, error=exc.report + recorded_lines(recorded), recorded=recorded)

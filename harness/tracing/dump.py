@@ -1,7 +1,7 @@
 """This rank's collectives since a mark, as it reports them when the launcher asks (a hang,
 an abort): Flight Recorder's entries (:mod:`harness.tracing.fr`) merged with the Python
 hooks' calls (:mod:`harness.tracing.hooks`) into the launcher protocol's ``CollectiveEntry``
-rows. The worker marks each test's start with :func:`last_record_id`."""
+rows. The worker marks each test's start with :func:`mark_test_start`."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from harness.launch.protocol import CollectiveEntry
 from harness.tracing import fr, hooks, records
 from harness.tracing.tracer import current_tracer
 
-__all__ = ["last_record_id", "read_entries", "seq_ids_at_last_mark"]
+__all__ = ["mark_test_start", "read_entries", "seq_ids_at_last_mark"]
 
-# after_record_id handed out by last_record_id() -> (wall clock, Python hook position) at that
-# moment, so read_entries(after_record_id) can cut the Python-side log at the same point.
+# A mark handed out by mark_test_start() -> (wall clock, Python hook position) at that moment,
+# so read_entries(mark) keeps what was issued since.
 _MARKS: dict[int, tuple[int, int]] = {}
 _LAST_SEQS: dict[str, int] = {}
 
 
-def read_entries(after_record_id: int = -1, with_stacks: bool | None = None) -> list[CollectiveEntry]:
-    """Collectives and p2p ops of this rank, oldest first: FR's entries with a record id above
-    ``after_record_id`` merged with the Python hooks' calls since :func:`last_record_id`
-    returned that id.
+def read_entries(since_mark: int = -1, with_stacks: bool | None = None) -> list[CollectiveEntry]:
+    """Collectives and p2p ops of this rank, oldest first: FR's entries created since
+    :func:`mark_test_start` returned ``since_mark`` (all of them for -1) merged with the Python
+    hooks' calls since then.
 
     Returns what the Python hooks saw when Flight Recorder is off or unavailable.
     ``with_stacks``: True symbolizes FR's stacks, False never does (call sites then come from
@@ -30,12 +30,12 @@ def read_entries(after_record_id: int = -1, with_stacks: bool | None = None) -> 
     only when an entry has no Python call to take its call site from (a collective issued from
     C++, such as DDP's reducer). Symbolizing costs seconds on a loaded machine, which a rank
     answering a hang dump does not have."""
-    since_ns, py_mark = _MARKS.get(after_record_id, (0, 0))
+    since_ns, py_mark = _MARKS.get(since_mark, (0, 0))
     calls = [c for c in hooks.calls_since(py_mark) if c.t0_ns >= since_ns]
 
     def merged(stacks: bool) -> list[records.CollectiveRecord]:
         data = fr.dump(stacks) or {}
-        raw = [e for e in data.get("entries", []) or [] if e.get("record_id", -1) > after_record_id]
+        raw = [e for e in data.get("entries", []) or [] if int(e.get("time_created_ns") or 0) >= since_ns]
         return records.merge(data, raw, calls)
 
     found = merged(bool(with_stacks))
@@ -48,29 +48,51 @@ def read_entries(after_record_id: int = -1, with_stacks: bool | None = None) -> 
     return [records.to_entry(r) for r in found]
 
 
-def last_record_id() -> int:
-    """The newest FR record id so far (-1 when nothing is recorded yet). Remembers this moment
-    so that ``read_entries(<that id>)`` also cuts the Python-side log here.
+def mark_test_start() -> int:
+    """Mark this moment (a test starts): ``read_entries(<the mark>)`` keeps what is issued from
+    now on, on FR's and the Python side. Also notes each process group's last collective
+    sequence number (:func:`seq_ids_at_last_mark`) and installs the Python-side hooks
+    (idempotent), so that p2p ops are in the ranks' dumps from the first test on.
 
-    The launcher calls this as each test starts; it also installs the Python-side hooks
-    (idempotent), so that p2p ops are in the ranks' dumps from the first test on."""
+    The sequence numbers come from the groups themselves (the counter FR records as
+    ``collective_seq_id``), not from a dump of FR's buffer: a warm pool's buffer holds earlier
+    tests' entries, and dumping it at every test start cost up to 80 ms once it was full."""
     hooks.install()
-    data = fr.dump(with_stacks=False) or {}
-    entries = data.get("entries", []) or []
-    rid = int(entries[-1].get("record_id", -1)) if entries else -1
-    _MARKS[rid] = (time.time_ns(), hooks.mark())
+    mark = len(_MARKS) and max(_MARKS) + 1
+    _MARKS[mark] = (time.time_ns(), hooks.mark())
     _LAST_SEQS.clear()
-    for e in entries:
-        name = str((tuple(e.get("process_group", ("?",))) + ("?",))[0])
-        if e.get("collective_seq_id"):
-            _LAST_SEQS[name] = max(_LAST_SEQS.get(name, 0), int(e["collective_seq_id"]))
+    _LAST_SEQS.update(_group_seqs())
     if len(_MARKS) > 64:  # only the newest marks are ever asked for
-        for key in list(_MARKS)[:-32]:
+        for key in sorted(_MARKS)[:-32]:
             _MARKS.pop(key, None)
-    return rid
+    return mark
+
+
+def _group_seqs() -> dict[str, int]:
+    """Process group name -> its collectives so far (what FR numbers them by); from a dump of
+    FR where a group cannot say (a backend without the counter)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {}
+    seqs: dict[str, int] = {}
+    try:
+        names = dict(dist.distributed_c10d._world.pg_names)
+        for group, name in names.items():
+            seq = int(group._get_sequence_number_for_group())
+            if seq:
+                seqs[str(name)] = seq
+        return seqs
+    except Exception:  # noqa: BLE001 - fall back on the buffer itself
+        data = fr.dump(with_stacks=False) or {}
+        for e in data.get("entries", []) or []:
+            name = str((tuple(e.get("process_group", ("?",))) + ("?",))[0])
+            if e.get("collective_seq_id"):
+                seqs[name] = max(seqs.get(name, 0), int(e["collective_seq_id"]))
+        return seqs
 
 
 def seq_ids_at_last_mark() -> dict[str, int]:
-    """Each process group's last collective sequence number in Flight Recorder when
-    :func:`last_record_id` was last called (the journal numbers on from there)."""
+    """Each process group's last collective sequence number when :func:`mark_test_start` was
+    last called (the journal numbers on from there)."""
     return dict(_LAST_SEQS)

@@ -21,7 +21,7 @@ from harness.tracing.collective_order import RankStatus, compare_ranks
 from harness.tracing.fr import short_site
 from harness.tracing.records import CollectiveRecord, from_entry
 
-__all__ = ["diagnose_hang", "hang_lines", "rank_statuses"]
+__all__ = ["diagnose_hang", "hang_lines", "outcome_trace", "rank_statuses"]
 
 
 def rank_statuses(outcome: Any) -> dict[int, RankStatus]:
@@ -69,6 +69,23 @@ def _records(outcome: Any) -> dict[int, list[CollectiveRecord]]:
         records = [from_entry(e, rank, i) for i, e in enumerate(entries)]
         by_rank[rank] = [r for r in records if r.group not in cpp_groups]
     return by_rank
+
+
+def outcome_trace(outcome: Any) -> Any:
+    """The collectives a stopped or failed run's ranks said they issued (the launcher's dumps
+    of the ranks it asked, the journals of those it could not) as a :class:`RunTrace` marked
+    incomplete, for the report of a run that never saved its own trace; None when there are
+    none."""
+    from harness.tracing.run_trace import RankTrace, RunTrace
+
+    by_rank = _records(outcome)
+    if not any(by_rank.values()):
+        return None
+    world = int(getattr(outcome, "nproc", 0) or len(by_rank))
+    ranks = {rank: RankTrace(rank=rank, world_size=world, collectives=records, complete=False,
+                             notes=["from the launcher's dump when the run was stopped"])
+             for rank, records in sorted(by_rank.items())}
+    return RunTrace(ranks=ranks, meta={"world_size": world, "from": "launcher dumps"})
 
 
 def diagnose_hang(outcome: Any) -> list[Diagnosis]:
