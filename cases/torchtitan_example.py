@@ -112,7 +112,7 @@ from harness.strategy import DistContextLike, RankSetup, StrategyBase  # noqa: E
 from reference.case import Batch, Case  # noqa: E402
 
 __all__ = [
-    "CASE", "NPROC", "STRATEGY", "TorchtitanFSDP", "tiny_llama3", "tiny_llama3_config", "torchtitan_case", "use_device_type",
+    "CASE", "NPROC", "STRATEGY", "TorchtitanFSDP", "parallelize_on_cpu", "tiny_llama3", "tiny_llama3_config", "torchtitan_case", "use_device_type",
 ]
 
 # The backend parallelize_llama takes its classic FSDP path under (see the module docstring).
@@ -203,6 +203,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
     )
 
 
+def parallelize_on_cpu(model: nn.Module, titan_dims: Any, parallelism: ParallelismConfig, dtype: torch.dtype) -> nn.Module:
+    """torchtitan's ``parallelize_llama`` as this module runs it on CPU / gloo (see the module
+    docstring): mixed precision at ``dtype`` (nothing cast), no compile, no activation
+    checkpointing, and plain SUM reductions for FSDP (gloo has no PREMUL_SUM)."""
+    name = _dtype_name(dtype)
+    parallelize_llama(
+        model,
+        parallel_dims=titan_dims,
+        training=TrainingConfig(mixed_precision_param=name, mixed_precision_reduce=name),
+        parallelism=parallelism,
+        compile_config=CompileConfig(enable=False),
+        ac_config=None,
+        dump_folder="",  # only read by activation checkpointing (off)
+    )
+    # parallelize_llama left divide factor 1 (a sum): gloo has no PREMUL_SUM, use SUM itself.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
 class TorchtitanFSDP(StrategyBase):
     """torchtitan's ``parallelize_llama`` with FSDP only (dp_shard = world size), gradients
     summed over dp as torchtitan does, mixed precision off."""
@@ -217,20 +238,7 @@ class TorchtitanFSDP(StrategyBase):
         parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend=SPMD_BACKEND)
         titan_dims = TitanParallelDims.from_config(parallelism, world)
         titan_dims.build_mesh()  # collective: every rank builds it
-        dtype = _dtype_name(case.dtype)
-        parallelize_llama(
-            model,
-            parallel_dims=titan_dims,
-            training=TrainingConfig(mixed_precision_param=dtype, mixed_precision_reduce=dtype),
-            parallelism=parallelism,
-            compile_config=CompileConfig(enable=False),
-            ac_config=None,
-            dump_folder="",  # only read by activation checkpointing (off)
-        )
-        # parallelize_llama left divide factor 1 (a sum): gloo has no PREMUL_SUM, use SUM itself.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
+        parallelize_on_cpu(model, titan_dims, parallelism, case.dtype)
         # The recorder's view: every rank a data-parallel replica of a 1-D dp mesh.
         dims = ParallelDims(dp=world)
         return RankSetup.on_mesh(

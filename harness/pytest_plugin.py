@@ -474,29 +474,32 @@ def _method_state(item: pytest.Item) -> bytes:
     instance, cls = getattr(item, "instance", None), getattr(item, "cls", None)
     if instance is None or cls is None:
         return b""
-    state: dict[str, dict[str, Any]] = {"instance": {}, "class": {}}
-    for name, value in vars(instance).items():
+    classy = (classmethod, staticmethod, property)
+    state: dict[str, dict[str, Any]] = {
+        "instance": dict(vars(instance)),
+        # Plain class attributes (what setup_class or a class fixture may have set); methods and
+        # descriptors come from the rank's own import of the class.
+        "class": {n: v for n, v in vars(cls).items() if not n.startswith("__") and not callable(v) and not isinstance(v, classy)},
+    }
+    for name, value in list(state["class"].items()):
         try:
             pickle.dumps(value)
-            state["instance"][name] = value
-        except Exception as exc:  # noqa: BLE001
-            pytest.fail(
-                f"self.{name} (a {type(value).__name__}), set up for {item.nodeid} in the pytest process, cannot be sent "
-                f"to the ranks: {type(exc).__name__}: {exc}. A distributed test method's instance state must be "
-                "picklable; build it inside the body instead.",
-                pytrace=False,
-            )
-    for name, value in vars(cls).items():
-        # Plain class attributes (what setup_class or a class fixture may have set); methods,
-        # descriptors and what cannot be pickled come from the rank's own import of the class.
-        if name.startswith("__") or callable(value) or isinstance(value, (classmethod, staticmethod, property)):
-            continue
-        try:
-            pickle.dumps(value)
-            state["class"][name] = value
-        except Exception:  # noqa: BLE001
-            continue
-    return pickle.dumps(state)
+        except Exception:  # noqa: BLE001 - the rank's import of the class has its own
+            del state["class"][name]
+    try:
+        return pickle.dumps(state)
+    except Exception:  # noqa: BLE001 - find the attribute that cannot travel, and say so
+        for name, value in vars(instance).items():
+            try:
+                pickle.dumps(value)
+            except Exception as exc:  # noqa: BLE001
+                pytest.fail(
+                    f"self.{name} (a {type(value).__name__}), set up for {item.nodeid} in the pytest process, cannot be sent "
+                    f"to the ranks: {type(exc).__name__}: {exc}. A distributed test method's instance state must be "
+                    "picklable; build it inside the body instead.",
+                    pytrace=False,
+                )
+        raise
 
 
 def _left_behind_lines(run_dir: str, nodeid: str, text: str, outcome: Any) -> str:

@@ -5,6 +5,7 @@ rows. The worker marks each test's start with :func:`mark_test_start`."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from harness.launch.protocol import CollectiveEntry
@@ -16,6 +17,7 @@ __all__ = ["mark_test_start", "read_entries", "seq_ids_at_last_mark"]
 # A mark handed out by mark_test_start() -> (wall clock, Python hook position) at that moment,
 # so read_entries(mark) keeps what was issued since.
 _MARKS: dict[int, tuple[int, int]] = {}
+_NEXT_MARK = itertools.count()
 _LAST_SEQS: dict[str, int] = {}
 
 
@@ -58,7 +60,7 @@ def mark_test_start() -> int:
     ``collective_seq_id``), not from a dump of FR's buffer: a warm pool's buffer holds earlier
     tests' entries, and dumping it at every test start cost up to 80 ms once it was full."""
     hooks.install()
-    mark = len(_MARKS) and max(_MARKS) + 1
+    mark = next(_NEXT_MARK)
     _MARKS[mark] = (time.time_ns(), hooks.mark())
     _LAST_SEQS.clear()
     _LAST_SEQS.update(_group_seqs())

@@ -33,15 +33,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 # First: importing it stubs torchtitan's triton kernels where triton is absent.
-from cases.torchtitan_example import _dtype_name, tiny_llama3_config, torchtitan_case, use_device_type
+from cases.torchtitan_example import parallelize_on_cpu, tiny_llama3_config, torchtitan_case, use_device_type
 from harness.parallel_dims import ParallelDims
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import ParallelismConfig
 from torchtitan.distributed import ParallelDims as TitanParallelDims
 from torchtitan.distributed.utils import set_spmd_backend
-from torchtitan.models.llama3 import parallelize_llama
 
 CASE = torchtitan_case(steps=2)
 NPROC = 2
@@ -61,19 +59,7 @@ def tp_llama3(ctx, parallelism):
     model.to_empty(device=ctx.device)
     with torch.no_grad():
         model.init_states(buffer_device=ctx.device)
-    dtype = _dtype_name(CASE.dtype)
-    parallelize_llama(
-        model,
-        parallel_dims=titan_dims,
-        training=TrainingConfig(mixed_precision_param=dtype, mixed_precision_reduce=dtype),
-        parallelism=parallelism,
-        compile_config=CompileConfig(enable=False),
-        ac_config=None,
-        dump_folder="",
-    )
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # gloo has no PREMUL_SUM
-            module.set_force_sum_reduction_for_comms(True)
+    parallelize_on_cpu(model, titan_dims, parallelism, CASE.dtype)
     return model.train(), titan_dims
 
 
