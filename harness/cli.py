@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import settings
+
 __all__ = ["main"]
 
 EXIT_PASS, EXIT_DIAGNOSIS, EXIT_USAGE, EXIT_HANG = 0, 1, 2, 3
@@ -41,14 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
     d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
     d.add_argument("--out", metavar="DIR", default="harness-reports", help="demo only: directory for every target's reports (default harness-reports)")
-    d.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung (default: the target's TIMEOUT, else 300)")
+    d.add_argument("--timeout", type=float, default=None, help=f"seconds before a run counts as hung (default: the target's TIMEOUT, else {settings.RUN_TIMEOUT_S:g})")
     d.add_argument("--stall-window", type=float, default=None, metavar="S",
-                   help="seconds without progress on every running rank before a run counts as hung (default: the target's STALL_WINDOW, else 10; 0: only --timeout)")
-    d.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="process-group backend (default auto)")
-    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="rank device (default auto)")
-    d.add_argument("--tolerance", choices=("auto", "calibrated", "default"), default="auto",
+                   help="seconds without progress on every running rank before a run counts as hung (default: the target's STALL_WINDOW, "
+                        f"else {settings.STALL_WINDOW_S:g}; 0: only --timeout)")
+    d.add_argument("--backend", choices=settings.BACKENDS, default="auto", help="process-group backend (default auto)")
+    d.add_argument("--device", choices=settings.DEVICES, default="auto", help="rank device (default auto)")
+    d.add_argument("--tolerance", choices=settings.TOLERANCE_MODES, default="auto",
                    help="auto/calibrated: from the reference's own measured noise (default); default: fixed per-dtype tolerances")
-    d.add_argument("--comparison", choices=("stepwise", "trajectory"), default="stepwise",
+    d.add_argument("--comparison", choices=settings.COMPARISON_MODES, default="stepwise",
                    help="stepwise: each step from the run's own state (default); trajectory: whole trajectories")
     d.add_argument("--cache", metavar="DIR", default=None, help="reference cache (default $HARNESS_CACHE_DIR or ./.harness_cache)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -143,7 +146,7 @@ def _layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
     from harness.report import format_terminal
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     report = diagnose_target(
         args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
@@ -159,7 +162,7 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
 def _simulate(args: argparse.Namespace, name: str) -> Any:
     """The report of ``name`` on ``args.simulate`` simulated ranks (raises SimulationError or
     ParallelConfigError when it cannot be simulated at that size)."""
-    from harness.simulate.run import simulate_target
+    from harness.pipeline import simulate_target
     from harness.targets.bundled import load_target
 
     return simulate_target(load_target(name), args.simulate, steps=args.steps, cache=args.cache, tolerance=args.tolerance,
@@ -187,7 +190,7 @@ def _simulate_one(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, runner: Any) -> int:
     from harness.report import format_terminal
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

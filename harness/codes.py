@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CODES", "Diagnosis", "UnknownCodeError", "jsonable"]
+__all__ = ["CODES", "Diagnosis", "UnknownCodeError", "Verdict", "jsonable", "verdict_for"]
 
 # code -> one-line meaning. Stable strings: never rename one, only add.
 CODES: dict[str, str] = {
@@ -58,6 +59,34 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "summary": self.summary, "evidence": self.evidence}
+
+
+@dataclass
+class Verdict:
+    """The overall outcome: ``verdict`` is "pass", "fail", "hang" or "error"."""
+
+    verdict: str
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def codes(self) -> list[str]:
+        return [d.code for d in self.diagnoses]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "diagnoses": [d.to_dict() for d in self.diagnoses], "error": self.error}
+
+
+def verdict_for(diagnoses: Sequence[Diagnosis], *, passed: bool, hang: bool = False, error: str = "") -> Verdict:
+    """A hang is a hang whatever else was found; an error with no finding is the harness's or the
+    user's error, not a diagnosis; findings fail a run that otherwise matched."""
+    if hang:
+        return Verdict("hang", list(diagnoses), error)
+    if error and not diagnoses:
+        return Verdict("error", [], error)
+    if passed and not diagnoses:
+        return Verdict("pass", [])
+    return Verdict("fail", list(diagnoses), error)
 
 
 def jsonable(value: Any) -> Any:

@@ -55,7 +55,7 @@ class RankLayout:
 
 
 
-__all__ = ["DIM_ORDER", "ParallelDims", "ParallelConfigError"]
+__all__ = ["DIM_ORDER", "ParallelConfigError", "ParallelDims", "RankLayout"]
 
 DIM_ORDER = ("pp", "dp", "tp")
 

@@ -23,6 +23,8 @@ from reference.trainer import ReferenceVariant
 from reference.schedule import global_batch_indices
 
 from harness.context import broadcast_object
+from harness.settings import COMPARISON_MODES, TOLERANCE_MODES
+from harness.analysis.failed_run import note_finished
 from harness.analysis.compare import CompareResult, compare, proposed_renaming, trajectory_view
 from harness.record.recorder import RankRecorder
 from harness.strategy import DistContextLike, Strategy
@@ -41,10 +43,6 @@ __all__ = [
     "train_strategy",
 ]
 
-TOLERANCE_MODES = ("auto", "default", "calibrated")
-# "stepwise": every step checked from the parallel run's own state (reference.replay), the
-# default; "trajectory": the whole parallel trajectory against the reference's.
-COMPARISON_MODES = ("stepwise", "trajectory")
 
 
 class RunError(RuntimeError):
@@ -108,7 +106,7 @@ def train_strategy(
         record_path if ctx.rank == dst else None, case, setup.model, setup.optimizer, setup.layout,
         source=f"strategy:{strategy.name}", dst=dst, check_replicas=check_replicas, overwrite=True,
     )
-    torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
+    case.seed_training()
     try:
         # Active while training, so a hang dump can tell the harness's own collectives apart.
         with tracer if tracer is not None else contextlib.nullcontext():
@@ -311,8 +309,7 @@ def run_strategy(
     ``workdir`` receives the parallel record (default: a new temporary directory); ``cache``
     holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``);
     ``trace`` writes every rank's trace beside the record (``RunResult.trace_path``)."""
-    if steps is not None:
-        case = case.replace(steps=steps)
+    case = case.with_steps(steps)
     check_comparison_mode(comparison)
     if not isinstance(strategy, Strategy):
         missing = [m for m in ("name", "setup", "local_batches", "forward_backward", "optimizer_step") if not hasattr(strategy, m)]
@@ -335,13 +332,7 @@ def run_strategy(
                 case, record, tolerance=tolerance, cache=cache, label=label, comparison=comparison
             )
             trace_file = Path(record.path) / TRACE_FILE
-            if os.environ.get("HARNESS_RUN_DIR"):
-                # Under the pytest plugin: should the test fail after this, its report names
-                # this record (wherever workdir put it) and shows this comparison.
-                from harness.record.left_behind import note_run
-
-                note_run(os.environ["HARNESS_RUN_DIR"], test=os.environ.get("HARNESS_CURRENT_TEST", ""), case=case,
-                         strategy=strategy.name, nproc=ctx.world_size, record=str(record.path), comparison=compared)
+            note_finished(case=case, strategy=strategy.name, nproc=ctx.world_size, record=str(record.path), comparison=compared)
             payload = ("ok", RunResult(
                 case.name, strategy.name, ctx.world_size, compared, compared.reference, str(record.path),
                 trace_path=str(trace_file) if trace_file.is_file() else "",

@@ -8,42 +8,62 @@ diagnosis.
 With ``sim_ranks`` (``@pytest.mark.simulate(nproc=8)``) in place of ``dist_ctx`` the same call
 trains on 8 simulated ranks in the pytest process (:mod:`harness.simulate`).
 
+A custom training loop is checked the same way: pass ``train(ctx, run)`` (see
+:mod:`harness.record.custom`) where the strategy goes.
+
 On a mismatch every rank raises ``AssertionError`` whose message is the terminal report (verdict,
-codes, evidence) and names the self-contained HTML report written under
-``$HARNESS_REPORT_DIR`` (the plugin sets it: ``--harness-report-dir``, else next to
-``--junitxml``, else ``<rootdir>/harness-reports``).
+codes, evidence) and names the self-contained HTML report written to the test's report folder
+(the plugin's ``--harness-report-dir``, else next to ``--junitxml``, else
+``<rootdir>/harness-reports``; outside the plugin ``$HARNESS_REPORT_DIR``).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from reference.case import Case
 
 from harness.context import broadcast_object
-
+from harness.launch.protocol import CurrentTest
 from harness.run import RunResult
 from harness.strategy import DistContextLike
-from harness.targets.target import Target
+from harness.targets.target import Target, is_train_fn
 
 __all__ = ["assert_matches_reference", "report_path_for"]
 
 
-def report_path_for(nodeid: str | None, name: str) -> Path:
-    base = Path(os.environ.get("HARNESS_REPORT_DIR") or "harness-reports")
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid or name).strip("_")[:180] or "report"
-    return base / f"{stem}.html"
+def report_path_for(nodeid: str | None, name: str, report_dir: str = "") -> Path:
+    """Where the HTML report of a failing check goes: the test's report folder (``report_dir``,
+    else the rank's current test's, else ``$HARNESS_REPORT_DIR``, else ``harness-reports``)."""
+    from harness.report.html import report_path
+
+    current = _current()
+    return report_path(report_dir or (current.report_dir if current else "") or os.environ.get("HARNESS_REPORT_DIR"), nodeid, name)
+
+
+def _current() -> CurrentTest | None:
+    """The test this rank runs (the plugin's ranks, or torchrun in place), None outside one."""
+    from harness.launch.rank_state import current_test
+
+    return current_test()
 
 
 def _current_test() -> str | None:
-    nodeid = os.environ.get("HARNESS_CURRENT_TEST")
-    if nodeid:
-        return nodeid
-    current = os.environ.get("PYTEST_CURRENT_TEST")  # "path::test (call)" under torchrun
-    return current.rsplit(" ", 1)[0] if current else None
+    current = _current()
+    if current is not None:
+        return current.nodeid
+    running = os.environ.get("PYTEST_CURRENT_TEST")  # "path::test (call)": a test in this process
+    return running.rsplit(" ", 1)[0] if running else None
+
+
+def _target(case: Case, trains: Any) -> Target:
+    """The run a check names: the test, else the strategy (or loop) and the case."""
+    if is_train_fn(trains):
+        name = f"{getattr(trains, '__name__', 'train')}-{case.name}"
+        return Target(name=_current_test() or name, case=case, train=trains)
+    return Target(name=_current_test() or f"{trains.name}-{case.name}", case=case, strategy=trains)
 
 
 def assert_matches_reference(
@@ -58,32 +78,38 @@ def assert_matches_reference(
     dst: int = 0,
     comparison: str = "stepwise",
 ) -> RunResult:
-    """Collective: train ``strategy``, compare with the reference and, on any difference, fail
-    with the diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass.
-    ``ctx`` may be :class:`harness.simulate.SimulatedRanks` (the ``sim_ranks`` fixture): the
-    run is then simulated in this process."""
-    from harness.analysis.diagnosed_run import run_and_diagnose
+    """Collective: train ``strategy`` (a :class:`~harness.strategy.Strategy`, or a custom loop
+    ``train(ctx, run)``), compare with the reference and, on any difference, fail with the
+    diagnosis (and write the HTML report). Returns the :class:`RunResult` on a pass. ``ctx``
+    may be :class:`harness.simulate.SimulatedRanks` (the ``sim_ranks`` fixture): the run is
+    then simulated in this process."""
+    from harness.pipeline import diagnose_on_ranks, diagnose_simulated
     from harness.report import format_terminal, write_html
     from harness.simulate.run import SimulatedRanks
 
+    target = _target(case, strategy)
+    trains = target.strategy.name if target.strategy is not None else "custom"
+    name = f"{trains}-{case.name}"
     if isinstance(ctx, SimulatedRanks):
-        return _assert_simulated(case, strategy, ctx.world_size, steps=steps, tolerance=tolerance, workdir=workdir,
-                                 cache=cache, comparison=comparison)
-
-    if steps is not None:
-        case = case.replace(steps=steps)
-    name = f"{strategy.name}-{case.name}"
-    if workdir is None and os.environ.get("HARNESS_RUN_DIR"):
+        report, compared, run = diagnose_simulated(target, ctx.world_size, steps=steps, tolerance=tolerance,
+                                                   workdir=workdir, cache=cache, comparison=comparison)
+        if report.verdict.verdict != "pass":
+            path = write_html(report, report_path_for(_current_test(), name))
+            raise AssertionError(format_terminal(report) + f"\n  html report: {path}\n  run folder: {report.workdir}")
+        return RunResult(case=case.name, strategy=trains, world_size=ctx.world_size,
+                         comparison=compared, reference_path=compared.reference, record_path=run.record_path,
+                         trace_path=run.trace_path)
+    current = _current()
+    if workdir is None and current is not None and current.run_dir:
         # The plugin's folder for this test: kept and named when the test fails or hangs
         # (with an HTML report built from what the run left), removed when it passes.
-        workdir = os.environ["HARNESS_RUN_DIR"]
+        workdir = current.run_dir
         if ctx.rank == dst:
-            from harness.record.left_behind import note_run
+            from harness.analysis.failed_run import note_run
 
-            note_run(workdir, test=_current_test() or name, case=case, strategy=strategy.name, nproc=ctx.world_size)
-    target = Target(name=_current_test() or name, case=case, strategy=strategy)
-    run = run_and_diagnose(case, strategy, ctx, target=target, tolerance=tolerance, workdir=workdir, cache=cache,
-                           dst=dst, report_on_pass=False, comparison=comparison)
+            note_run(workdir, test=current.nodeid, case=case.with_steps(steps), strategy=trains, nproc=ctx.world_size)
+    run = diagnose_on_ranks(target, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance, workdir=workdir,
+                            cache=cache, comparison=comparison)
     message = ""
     if run.report is not None:  # dst, and the run failed
         path = write_html(run.report, report_path_for(_current_test(), name))
@@ -95,17 +121,3 @@ def assert_matches_reference(
         raise AssertionError(message)
     assert run.result is not None
     return run.result
-
-
-def _assert_simulated(case: Case, strategy: Any, world_size: int, **options: Any) -> RunResult:
-    from harness.report import format_terminal, write_html
-    from harness.simulate.run import diagnose_simulated
-
-    name = f"{strategy.name}-{case.name}"
-    target = Target(name=_current_test() or name, case=case, strategy=strategy)
-    report, compared, run = diagnose_simulated(target, world_size, **options)
-    if report.verdict.verdict != "pass":
-        path = write_html(report, report_path_for(_current_test(), name))
-        raise AssertionError(format_terminal(report) + f"\n  html report: {path}\n  run folder: {report.workdir}")
-    return RunResult(case=case.name, strategy=strategy.name, world_size=world_size, comparison=compared,
-                     reference_path=compared.reference, record_path=run.record_path, trace_path=run.trace_path)

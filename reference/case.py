@@ -439,6 +439,15 @@ class Case:
         """A copy with some fields changed (e.g. ``dtype=torch.float64`` for calibration)."""
         return dataclasses.replace(self, **changes)
 
+    def with_steps(self, steps: int | None) -> "Case":
+        """This case run for ``steps`` optimizer steps (``--steps``, ``steps=``); None keeps its own."""
+        return self if steps is None or steps == self.steps else dataclasses.replace(self, steps=steps)
+
+    def seed_training(self) -> None:
+        """Start the training RNG (dropout, random masks) where the reference's starts: every
+        trainer calls this right before its first step."""
+        torch.manual_seed(self.seed)
+
     # -- building -----------------------------------------------------------------------------
 
     def build_model(

@@ -187,7 +187,7 @@ class _Training:
     def train(self, step_fn: Any, steps: int) -> Record:
         """Run ``step_fn(step)`` for each step from the case seed and publish the record; a
         failed run still publishes the steps it recorded (nothing recorded is lost)."""
-        torch.manual_seed(self.case.seed)  # the training RNG (dropout) starts from the case seed
+        self.case.seed_training()
         try:
             for step in range(steps):
                 step_fn(step)

@@ -50,7 +50,7 @@ def test_nccl_ranks_each_use_their_own_gpu(nccl_runner) -> None:
 
 @needs_gpus(1)
 def test_ddp_on_gpus_matches_the_reference(nccl_runner, reference_cache, tmp_path) -> None:
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     report = diagnose_target("ddp", nproc=min(GPUS, 2), runner=nccl_runner, cache=reference_cache, workdir=tmp_path)
     assert report.verdict.verdict == "pass", report.verdict.to_dict()
@@ -58,7 +58,7 @@ def test_ddp_on_gpus_matches_the_reference(nccl_runner, reference_cache, tmp_pat
 
 @needs_gpus(2)
 def test_a_bug_on_gpus_is_named(nccl_runner, reference_cache, tmp_path) -> None:
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     report = diagnose_target("double_averaged_ddp", nproc=2, runner=nccl_runner, cache=reference_cache, workdir=tmp_path)
     assert report.codes == ["grad-double-averaged"], report.verdict.to_dict()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.targets.drive import diagnose_target
+from harness.pipeline import diagnose_target
 
 LOOPS = Path(__file__).resolve().parent / "custom_loops"
 

@@ -19,7 +19,7 @@ from harness.codes import CODES
 from harness.report import SCHEMA, chrome_trace, render_html
 from harness.targets.bundled import load_target
 from harness.targets.target import TargetError
-from harness.targets.drive import diagnose_target
+from harness.pipeline import diagnose_target
 
 REPO = Path(__file__).resolve().parents[1]
 BUGS = {module.rsplit(".", 1)[-1]: code for module, code in catalogue().items()}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from harness.record.gather import GatherError, annotate_shard, prefix_rename, reference_name, shard_spec
-from harness.targets.drive import diagnose_target
+from harness.pipeline import diagnose_target
 
 LOOPS = Path(__file__).resolve().parent / "framework_loops"
 

@@ -22,7 +22,7 @@ from cases.bugs.summed_grads import SummedGradients  # noqa: E402
 from cases.hf import gpt2_tp_plan, hf_case, llama_tp_plan  # noqa: E402
 from cases.strategies import DDPStrategy, FSDPStrategy, FSDPTensorParallelStrategy, TensorParallelStrategy  # noqa: E402
 from cases.strategies.fsdp import repeated_blocks  # noqa: E402
-from harness.analysis.diagnosed_run import run_and_diagnose  # noqa: E402
+from harness.pipeline import run_and_diagnose  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -123,7 +123,7 @@ def test_dict_batches_and_the_models_own_loss(dist_ctx, tmp_path, reference_cach
 
 
 def test_a_custom_loop_over_an_hf_model_passes(rank_runner, reference_cache, tmp_path) -> None:
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     example = Path(__file__).resolve().parents[1] / "cases" / "hf_custom_example.py"
     report = diagnose_target(str(example), runner=rank_runner, cache=reference_cache, workdir=tmp_path)

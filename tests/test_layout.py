@@ -1,7 +1,9 @@
 """The package's structure: no import cycle anywhere in harness/, reference/ and cases/ (lazy
-imports inside functions count: they run too), the library never imports its own examples
-(``cases``) outside the modules that bundle them, and the plugin and the rank pool stay
-cheap to import (no torch) for projects that never start a rank."""
+imports inside functions count: they run too), no folder-level cycle but the documented one
+(``harness/targets/bundled.py`` bundles ``cases``, whose examples build targets), the library
+never imports its own examples (``cases``) outside the modules that bundle them, at most 12
+top-level modules in harness/, and ``import harness`` (the user API), the plugin and the rank
+pool stay cheap to import (no torch) for projects that never start a rank."""
 
 from __future__ import annotations
 
@@ -109,3 +111,40 @@ def test_the_plugin_and_the_pool_leave_torch_unloaded() -> None:
     code = "import sys, harness.pytest_plugin, harness.launch.pool; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# The one folder-level cycle allowed: the bundled targets name the examples, and the examples
+# build targets with harness.targets.target.
+ALLOWED_FOLDER_CYCLES = [{"cases", "harness.targets"}]
+
+
+def _room(module: str) -> str:
+    """A module's room in the house: a folder of harness/ (``harness.analysis``), a top-level
+    module of harness/ (``harness.run``), or a top-level package (``reference``, ``cases``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "harness" else parts[0]
+
+
+def test_folders_import_each_other_in_one_direction() -> None:
+    graph: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        graph.setdefault(_room(module), set()).update(_room(d) for d in deps if _room(d) != _room(module))
+    found = [set(c) for c in cycles(graph)]
+    assert [c for c in found if c not in ALLOWED_FOLDER_CYCLES] == []
+
+
+def test_at_most_twelve_top_level_modules() -> None:
+    top = sorted(p.name for p in (REPO / "harness").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 12, top
+
+
+def test_import_harness_is_torch_free_and_names_the_user_api() -> None:
+    code = ("import sys, harness; print('torch' in sys.modules); "
+            "print(all(getattr(harness, n) is not None for n in harness.__all__)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stderr
+    import harness
+
+    for name in ("assert_matches_reference", "CustomRun", "RankLayout", "ParallelDims", "Case", "diagnose_target",
+                 "run_strategy", "StrategyBase", "simulate_target", "CODES"):
+        assert name in harness.__all__

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.analysis.diagnosed_run import run_and_diagnose
-from harness.targets.drive import diagnose_target
+from harness.pipeline import run_and_diagnose
+from harness.pipeline import diagnose_target
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPS = REPO / "tests" / "custom_loops"

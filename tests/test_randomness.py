@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.analysis.diagnosed_run import run_and_diagnose
-from harness.targets.drive import diagnose_target
+from harness.pipeline import run_and_diagnose
+from harness.pipeline import diagnose_target
 
 LOOPS = Path(__file__).resolve().parent / "custom_loops"
 

@@ -27,7 +27,8 @@ from cases.strategies.manual_tp import ManualTensorParallel
 from cases.strategies.pipeline import PipelineStrategy
 from cases.strategies.tp import TensorParallelStrategy, apply_tensor_parallel
 from harness.parallel_dims import ParallelDims
-from harness.simulate import SimulatedWorld, SimulationError, simulate_target
+from harness.pipeline import simulate_target
+from harness.simulate import SimulatedWorld, SimulationError
 from harness.simulate.layout import check_layout
 from harness.strategy import RankSetup
 from harness.targets.bundled import load_target

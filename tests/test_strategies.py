@@ -196,7 +196,7 @@ class SummedFSDPWeightedAsMean(FSDPStrategy):
 def test_the_loss_reduction_convention_is_a_field(dist_ctx, tmp_path, reference_cache) -> None:
     """A loss that sums over samples with gradients summed over replicas (torchtitan's way)
     matches once the case says so; the same reducer weighted as an average is named."""
-    from harness.analysis.diagnosed_run import run_and_diagnose
+    from harness.pipeline import run_and_diagnose
 
     case = _sum_loss_case()
     result = run_strategy(case, FSDPStrategy(grad_reduction="sum"), dist_ctx, workdir=tmp_path / "ok", cache=reference_cache)

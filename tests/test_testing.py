@@ -121,3 +121,53 @@ def test_a_check_that_raises_or_hangs_midway_names_its_steps_and_writes_html(pyt
     assert "collective-missing" in html["test_midway.py_test_midway_hang.html"]
     assert "all_reduce" in html["test_midway.py_test_midway_hang.html"]  # the ranks' collectives, from their dumps
     assert "MISMATCH" in html["test_midway.py_test_own_check.html"]  # the comparison's failing tensors
+
+
+CUSTOM_LOOPS = """
+import pytest
+import torch.distributed as dist
+from cases.catalog import mlp_case
+from cases.custom_example import train
+from harness import RankLayout, assert_matches_reference
+
+
+def summed(ctx, run):  # the custom example without the division by the world size
+    case = run.case
+    model = case.build_model(ctx.device)
+    optimizer = case.build_optimizer(model.parameters())
+    run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))
+    for step in range(run.steps):
+        for batch in run.batches(step):
+            loss = case.forward_loss(model, batch)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss, batch.ids)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        run.before_step(step)
+        optimizer.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+
+
+@pytest.mark.distributed(nproc=2)
+def test_custom_loop_is_right(dist_ctx, tmp_path):
+    result = assert_matches_reference(mlp_case("adamw"), train, dist_ctx, steps=2, cache=tmp_path / "c")
+    assert result.passed and result.strategy == "custom"
+
+
+@pytest.mark.distributed(nproc=2)
+def test_custom_loop_sums(dist_ctx, tmp_path):
+    assert_matches_reference(mlp_case("adamw"), summed, dist_ctx, steps=2, cache=tmp_path / "c")
+"""
+
+
+def test_a_custom_loop_is_checked_like_a_strategy(pytester, monkeypatch) -> None:
+    """A ``train(ctx, run)`` loop passed where the strategy goes: the same pipeline, the same
+    failure (terminal diagnosis, HTML report)."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    pytester.makepyfile(test_loops=CUSTOM_LOOPS)
+    reports = pytester.path / "out"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-report-dir", str(reports), timeout=240)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*FAIL  grad-not-averaged*", "*html report: *.html*"])
+    assert sorted(p.name for p in reports.glob("*.html")) == ["test_loops.py_test_custom_loop_sums.html"]

@@ -16,7 +16,7 @@ pytest.importorskip(
 )
 
 from cases.torchtitan_example import CASE, TorchtitanFSDP  # noqa: E402
-from harness.analysis.diagnosed_run import run_and_diagnose  # noqa: E402
+from harness.pipeline import run_and_diagnose  # noqa: E402
 
 
 @pytest.mark.distributed(nproc=2)

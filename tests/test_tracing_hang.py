@@ -199,7 +199,7 @@ def test_a_collective_on_some_ranks_only_is_named_at_its_line_not_the_harness_co
     """Rank 0 all-reduces a flag the other rank never issues; rank 1 goes on into the harness's
     own all_gather (run.before_step). The collective named is rank 0's, at its line - never
     the harness's."""
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     path = tmp_path / "extra_flag.py"
     path.write_text(CUSTOM_LOOP_EXTRA_FLAG)

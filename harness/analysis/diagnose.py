@@ -28,9 +28,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,11 +38,12 @@ from reference.record import Record
 
 from harness.analysis.probe_checks import analyze_probe
 from harness.tracing.checks import run_checks
+from harness.tracing.run_trace import load_trace
 from harness.tracing.samples import check_samples
 from harness.codes import Diagnosis
 from harness.analysis.compare import CompareResult, TensorComparison
 
-__all__ = ["Analysis", "Verdict", "diagnose", "diagnose_result", "load_trace", "stage_coverage_diagnosis", "verdict_for"]
+__all__ = ["Analysis", "diagnose", "diagnose_result", "stage_coverage_diagnosis"]
 
 # A fit actual ~= c * expected is "constant" when the residual is this small relative to the
 # tensor; per dtype because bf16 runs carry ~1e-2 relative noise.
@@ -66,32 +66,6 @@ def _root_found(found: Iterable[Diagnosis]) -> bool:
     Names that differ only by a renaming the comparison resolved from the shapes are not one:
     the values were compared under the proposed names, so what they show is named too."""
     return any(d.code in _ROOT_CODES and not d.evidence.get("compared_under_proposed_names") for d in found)
-
-
-@dataclass
-class Verdict:
-    """The overall outcome: ``verdict`` is "pass", "fail", "hang" or "error"."""
-
-    verdict: str
-    diagnoses: list[Diagnosis] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def codes(self) -> list[str]:
-        return [d.code for d in self.diagnoses]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "diagnoses": [d.to_dict() for d in self.diagnoses], "error": self.error}
-
-
-def verdict_for(diagnoses: Sequence[Diagnosis], *, passed: bool, hang: bool = False, error: str = "") -> Verdict:
-    if hang:
-        return Verdict("hang", list(diagnoses), error)
-    if error and not diagnoses:
-        return Verdict("error", [], error)
-    if passed and not diagnoses:
-        return Verdict("pass", [])
-    return Verdict("fail", list(diagnoses), error)
 
 
 def _close(a: float, b: float, rtol: float = _FACTOR_RTOL) -> bool:
@@ -852,20 +826,6 @@ def diagnose(comparison: CompareResult, reference: Record, actual: Record, **fac
     :class:`Analysis`'s: ``trace``, ``findings``, and ``probe`` with ``case`` for the
     activation checks (:mod:`harness.record.probe`)."""
     return Analysis(comparison, reference, actual, **facts).run()
-
-
-def load_trace(path: str | os.PathLike[str] | None) -> Any:
-    """The :class:`~harness.tracing.RunTrace` at ``path``, or None when there is none to read
-    (no path, no tracing package, a missing or unreadable file): the engine then works without
-    the trace checks."""
-    if not path:
-        return None
-    try:
-        from harness.tracing import RunTrace
-
-        return RunTrace.load(path)
-    except (ImportError, OSError, ValueError):
-        return None
 
 
 def diagnose_result(result: Any) -> list[Diagnosis]:

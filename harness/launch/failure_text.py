@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 
-from harness import is_harness_file
+from harness.frames import is_harness_file
 from harness.tracing import fr
 from harness.launch.pool import RunOutcome
-from harness.launch.protocol import CollectiveEntry, RankDump
+from harness.launch.protocol import RankDump
+from harness.tracing.entries import CollectiveEntry
 
 MAX_COLLECTIVES_SHOWN = 8
 

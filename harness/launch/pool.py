@@ -26,18 +26,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness import HARNESS_DIR
+from harness import settings
+from harness.frames import HARNESS_DIR
 from harness.launch import procs
 from harness.launch.worker import capture_path, exit_note_path, journal_path, read_exit_note, read_journal
-from harness.launch.protocol import (
-    HANDSHAKE_CONTROL,
-    CollectiveEntry,
-    HANDSHAKE_TASK,
-    RankDump,
-    RankResult,
-    ResetResult,
-    TestTask,
-)
+from harness.launch.protocol import HANDSHAKE_CONTROL, HANDSHAKE_TASK, RankDump, RankResult, ResetResult, TestTask
+from harness.tracing.entries import CollectiveEntry
 from harness.tracing import fr
 
 _REPO_ROOT = os.path.dirname(HARNESS_DIR)
@@ -93,14 +87,14 @@ class PoolKey:
 
 @dataclass
 class PoolConfig:
-    startup_timeout: float = 60.0
-    failure_grace: float = 3.0  # how long the other ranks get to finish once one has failed
+    startup_timeout: float = settings.STARTUP_TIMEOUT_S
+    failure_grace: float = settings.FAILURE_GRACE_S  # how long the other ranks get to finish once one has failed
     dump_timeout: float = 5.0
     reset_timeout: float = 30.0
     pg_timeout: float = 1800.0
     # A test counts as hung once every rank still running has made no progress for this long
     # (0: off, only the deadline): see RankPool.run.
-    stall_window: float = 10.0
+    stall_window: float = settings.STALL_WINDOW_S
 
 
 # A rank "makes progress" while it uses CPU: computing ranks use about a core, ranks blocked in

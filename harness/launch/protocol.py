@@ -8,10 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.tracing.entries import CollectiveEntry
+
 # The first bytes a worker sends on a fresh connection: a per-pool secret, so that nothing
 # else on the machine can talk to the launcher's loopback socket.
 HANDSHAKE_TASK = b"task"
 HANDSHAKE_CONTROL = b"ctrl"
+
+
+@dataclass(frozen=True)
+class CurrentTest:
+    """What a rank body is told of the test it runs (harness.testing names its reports and
+    keeps its records by it); on the ranks: :func:`harness.launch.rank_state.current_test`."""
+
+    nodeid: str
+    run_dir: str = ""  # where this test's records go: kept and named when it fails, else removed
+    report_dir: str = ""  # where a failing check writes its HTML report ("" : $HARNESS_REPORT_DIR)
 
 
 @dataclass
@@ -28,7 +40,8 @@ class TestTask:
     cwd: str
     seed: int = 0
     plain_import: bool = False  # import module_name normally (library code), not as a test file
-    run_dir: str = ""  # where harness.testing writes this test's records ($HARNESS_RUN_DIR on the ranks)
+    run_dir: str = ""  # where harness.testing writes this test's records (CurrentTest.run_dir on the ranks)
+    report_dir: str = ""  # where failing checks write HTML reports (CurrentTest.report_dir)
     # A test method's state as pytest set it up (setup_method, fixtures that set self.x or
     # cls.x): pickled {"instance": vars(self), "class": plain class attributes}; b"" for a function.
     state_pickle: bytes = b""
@@ -56,30 +69,6 @@ class ResetResult:
     ok: bool
     group_count: int
     detail: str = ""
-
-
-@dataclass
-class CollectiveEntry:
-    """One collective as Flight Recorder saw it on a rank."""
-
-    record_id: int
-    op: str
-    process_group: str
-    group_ranks: list[int] | None
-    seq_id: int
-    p2p_seq_id: int
-    input_sizes: list
-    state: str
-    call_site: str  # first frame outside torch / the harness, "file:line in fn"
-    # Added by harness.tracing (Python-side hooks): what Flight Recorder does not record.
-    dtypes: list = field(default_factory=list)
-    reduce_op: str = ""  # "sum", "avg", ... ("" unknown / not a reduction)
-    is_p2p: bool = False
-    peer: int | None = None  # global rank of a p2p op's peer (None: any source)
-    tag: int = 0
-    time_ns: int = 0  # wall clock when issued
-    phase: str = ""  # the tracer's phase when issued: "harness" for the harness's own collectives
-    step: int | None = None  # the tracer's training step when issued
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.launch.protocol import CurrentTest
+
 
 @dataclass
 class RankState:
@@ -94,6 +96,31 @@ class RankState:
                 resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
             except (ValueError, OSError):  # a lowered hard limit cannot be raised without privilege
                 pass
+
+
+_CURRENT: CurrentTest | None = None
+
+
+def current_test() -> CurrentTest | None:
+    """The test this rank runs now (pool worker or torchrun in place), None outside one."""
+    return _CURRENT
+
+
+def begin_test(test: CurrentTest) -> int:
+    """The per-test rank preamble, the pool worker's and torchrun's in place alike: the test's
+    facts for :func:`current_test`, and its start marked in the collective records (returns the
+    mark for :func:`harness.tracing.dump.read_entries`). The RNGs are seeded later, right before
+    the body (:func:`seed_everything`): importing the test module may draw from them."""
+    from harness.tracing import dump
+
+    global _CURRENT
+    _CURRENT = test
+    return dump.mark_test_start()
+
+
+def end_test() -> None:
+    global _CURRENT
+    _CURRENT = None
 
 
 def seed_everything(seed: int) -> None:

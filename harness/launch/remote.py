@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness import settings
 from harness.launch.devices import resolve
 from harness.launch.pool import PoolConfig, PoolKey, PoolManager, PoolStartError, RunOutcome
 from harness.launch.protocol import TestTask
@@ -89,7 +90,7 @@ class RankRunner:
         *,
         nproc: int,
         kwargs: Mapping[str, Any] | None = None,
-        timeout: float = 120.0,
+        timeout: float = settings.RUN_TIMEOUT_S,
         seed: int = 0,
         stall_window: float | None = None,
     ) -> RemoteResult:

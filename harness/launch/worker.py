@@ -27,17 +27,11 @@ from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any, Callable
 
-from harness import is_harness_file
+from harness import settings
+from harness.frames import is_harness_file
 from harness.launch import procs
-from harness.launch.protocol import (
-    HANDSHAKE_CONTROL,
-    CollectiveEntry,
-    HANDSHAKE_TASK,
-    RankDump,
-    RankResult,
-    ResetResult,
-    TestTask,
-)
+from harness.launch.protocol import HANDSHAKE_CONTROL, HANDSHAKE_TASK, RankDump, RankResult, ResetResult, TestTask
+from harness.tracing.entries import CollectiveEntry
 
 _DIST_FUNCTIONS_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 
@@ -269,9 +263,8 @@ def _pytest_longrepr(exc: BaseException, fn: Callable[..., Any] | None) -> str:
             code = Code.from_function(fn)
             tb = tb.cut(path=code.path, firstlineno=code.firstlineno)
         tb = tb.filter(excinfo)
-        if len(tb) > 2:
-            for entry in tb[1:-1]:
-                entry.set_repr_style("short")
+        if len(tb) > 2:  # pytest >= 8: entries are immutable, with_repr_style returns a copy
+            tb = type(tb)([tb[0], *(entry.with_repr_style("short") for entry in tb[1:-1]), tb[-1]])
         excinfo.traceback = tb
         return str(excinfo.getrepr(style="long", tbfilter=False, truncate_locals=True))
     except Exception:  # noqa: BLE001 - fall back to the plain traceback
@@ -370,17 +363,13 @@ class RankWorker:
 
     def run(self, task: TestTask) -> RankResult:
         from harness.context import DistContext
-        from harness.launch.rank_state import seed_everything
+        from harness.launch.protocol import CurrentTest
+        from harness.launch.rank_state import begin_test, end_test, seed_everything
         from harness.tracing import dump, hooks
 
         started = time.monotonic()
         self.state = f"running {task.nodeid}"
-        os.environ["HARNESS_CURRENT_TEST"] = task.nodeid  # harness.testing names its reports by it
-        if task.run_dir:  # harness.testing records there, so a failed test's steps are found
-            os.environ["HARNESS_RUN_DIR"] = task.run_dir
-        else:
-            os.environ.pop("HARNESS_RUN_DIR", None)
-        self.test_mark = dump.mark_test_start()
+        self.test_mark = begin_test(CurrentTest(task.nodeid, task.run_dir, task.report_dir))
         hooks.open_journal(journal_path(self.workdir, self.rank), dump.seq_ids_at_last_mark())
         capture = _FdCapture(capture_path(self.workdir, self.rank))
         self.capture_path = capture.path
@@ -435,6 +424,7 @@ class RankWorker:
                 longrepr = _setup_error_text(exc) if isinstance(exc, RankSetupError) else _pytest_longrepr(exc, fn)
         finally:
             self.state = "idle"
+            end_test()
             hooks.close_journal()
         captured = capture.read()
         capture.close()
@@ -486,7 +476,7 @@ def main() -> None:
     port = int(os.environ["HARNESS_LAUNCHER_PORT"])
     token = bytes.fromhex(os.environ["HARNESS_TOKEN"])
     rank = int(os.environ["RANK"])
-    connect_timeout = float(os.environ.get("HARNESS_STARTUP_TIMEOUT", "60"))
+    connect_timeout = float(os.environ.get("HARNESS_STARTUP_TIMEOUT", settings.STARTUP_TIMEOUT_S))
     task_conn = _connect(port, token, HANDSHAKE_TASK, rank, connect_timeout)
     control_conn = _connect(port, token, HANDSHAKE_CONTROL, rank, connect_timeout)
     worker = RankWorker()

@@ -59,7 +59,7 @@ PREIMPORTS = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining",
-    "harness.targets.drive",
+    "harness.pipeline",
 )
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from harness.tracing.hooks import call_site
+from harness.frames import call_site
 from reference.draws import random_output
 from reference.record import is_dtensor
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 import html
 import io
 import json
+import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from harness.report.model import DiagnosisReport
 
-__all__ = ["render_html", "write_html"]
+__all__ = ["render_html", "report_path", "write_html"]
 
 _OP_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f", "#bab0ac"]
 
@@ -31,6 +33,13 @@ td.dup{background:#ffe082} .ids{font-family:monospace;font-size:12px}
 pre{background:#f8f8f8;padding:8px;overflow-x:auto;font-size:12px}
 .muted{color:#777;font-size:12px}
 """
+
+
+def report_path(report_dir: str | os.PathLike[str] | None, nodeid: str | None, name: str) -> Path:
+    """The HTML report's path for a test (``nodeid``) or a named run, in ``report_dir``
+    (default ``harness-reports``): the id made a safe file name."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid or name).strip("_")[:180] or "report"
+    return Path(report_dir or "harness-reports") / f"{stem}.html"
 
 
 def _e(value: Any) -> str:

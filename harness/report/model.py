@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.codes import Diagnosis, jsonable
-from harness.analysis.diagnose import Verdict, verdict_for
+from harness.codes import Diagnosis, Verdict, jsonable, verdict_for
 
 __all__ = ["SCHEMA", "DiagnosisReport", "build_report"]
 

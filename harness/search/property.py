@@ -27,6 +27,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.strategies import SearchStrategy
 
 from harness.parallel_dims import ParallelConfigError
+from harness.settings import RUN_TIMEOUT_S
 from harness.search.builtins import case_for
 from harness.search.config import ParallelConfig
 from harness.search.constraints import covers_stages
@@ -65,7 +66,7 @@ __all__ = [
 # flagging a pathologically slow config. A rank that hangs is stopped by the RankRunner
 # timeout, which is longer, with every rank's stack and last collectives in the report.
 EXAMPLE_DEADLINE = timedelta(seconds=30)
-RANK_TIMEOUT_S = 120.0
+RANK_TIMEOUT_S = RUN_TIMEOUT_S  # the run settings' deadline, also importable from harness.search
 
 
 def example_deadline(max_world: int) -> timedelta:

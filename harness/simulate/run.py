@@ -6,15 +6,13 @@ ranks -> per step, each rank's micro-batches (the strategy's ``local_batches`` c
 rank, stacked into LocalTensors) -> one SPMD forward/backward and optimizer step -> the record
 (:class:`~harness.simulate.recorder.SimulatedRecorder`) and the trace
 (:func:`~harness.simulate.trace.build_trace`) -> :func:`harness.run.compare_to_reference` ->
-:func:`harness.analysis.diagnosed_run.diagnosis_report`.
+:func:`harness.pipeline.diagnosis_report` (:func:`harness.pipeline.diagnose_simulated` runs the whole).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,11 +24,11 @@ from reference.schedule import global_batch_indices
 
 from harness.parallel_dims import ParallelConfigError
 from harness.simulate.recorder import SimulatedRecorder
-from harness.simulate.support import DDP_REASON, REAL_RANKS, check_setup, check_target
+from harness.simulate.support import DDP_REASON, REAL_RANKS, check_setup
 from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace, collective_records
 from harness.simulate.world import SimulatedWorld, SimulationError
 
-__all__ = ["SimulatedRanks", "SimulatedRun", "diagnose_simulated", "simulate_strategy", "simulate_target"]
+__all__ = ["SimulatedRanks", "SimulatedRun", "simulate_strategy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +96,7 @@ def simulate_strategy(
     from harness.tracing.mesh import describe_model
 
     say = progress or (lambda line: None)
-    case = case if steps is None else case.replace(steps=steps)
+    case = case.with_steps(steps)
     case.validate()
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
     record_path = Path(workdir) / f"simulated-{strategy.name}-{case.name}-w{world_size}"
@@ -123,7 +121,7 @@ def simulate_strategy(
             recorder = SimulatedRecorder(record_path, case, setup.model, setup.optimizer, layouts, groups,
                                          source=f"strategy:{strategy.name} (simulated)")
             samples: dict[int, dict[int, list[list[int]]]] = {r: {} for r in world.ranks}
-            torch.manual_seed(case.seed)  # the training RNG starts where the reference's does
+            case.seed_training()
             try:
                 for step in range(case.steps):
                     log.step, log.phase = step, "train"
@@ -180,49 +178,3 @@ def _setup_failed(name: str, exc: Exception) -> SimulationError | None:
 
 def _param_mesh(model: Any) -> Any:
     return next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
-
-
-def simulate_target(target: Any, world_size: int, **options: Any) -> Any:
-    """Diagnose a resolved :class:`~harness.targets.target.Target` on simulated ranks and
-    return its :class:`~harness.report.model.DiagnosisReport` (the same codes as real ranks).
-    ``options``: :func:`diagnose_simulated`'s."""
-    return diagnose_simulated(target, world_size, **options)[0]
-
-
-def diagnose_simulated(
-    target: Any,
-    world_size: int,
-    *,
-    steps: int | None = None,
-    workdir: str | os.PathLike[str] | None = None,
-    cache: str | os.PathLike[str] | None = None,
-    tolerance: Any = "auto",
-    comparison: str = "stepwise",
-    echo: Callable[[str], None] | None = None,
-) -> tuple[Any, Any, SimulatedRun]:
-    """(report, :class:`~harness.analysis.compare.CompareResult`, :class:`SimulatedRun`) of
-    ``target`` on ``world_size`` simulated ranks."""
-    from reference.cache import cached_reference
-    from reference.record import Record
-
-    from harness.analysis.diagnosed_run import diagnosis_report
-    from harness.run import compare_to_reference
-
-    say = echo or (lambda line: None)
-    check_target(target)
-    started = time.monotonic()
-    case = target.case if steps is None else target.case.replace(steps=steps)
-    work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-simulate-")
-    os.makedirs(work, exist_ok=True)
-    say(f"reference: training {case.name!r} on one device ({case.steps} steps)")
-    cached_reference(case, cache=cache)
-    say(f"ranks: training {target.strategy.name} on {world_size} simulated ranks (one process)")
-    run = simulate_strategy(case, target.strategy, world_size, work, progress=say)
-    say("diagnose: comparing and naming causes")
-    compared = compare_to_reference(case, Record.load(run.record_path), cache=cache, tolerance=tolerance, comparison=comparison,
-                                    label=f"{target.name} on {world_size} simulated ranks vs reference")
-    report = diagnosis_report(target, case, world_size, comparison=compared, record_path=run.record_path,
-                              trace_path=run.trace_path, cache=cache, elapsed_s=time.monotonic() - started)
-    report.target["simulated"] = True
-    report.workdir = work
-    return report, compared, run

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.parallel_dims import is_dp_dim
-from harness.tracing import hooks
+from harness.frames import call_site
 from harness.tracing.random_ops import MAX_DRAWS, RandomDraw, draw_digest, random_output
 from harness.tracing.records import CollectiveRecord
 from harness.tracing.run_trace import RankTrace, RunTrace
@@ -144,7 +144,7 @@ class CollectiveLog(TorchDispatchMode):
         first = out[0] if isinstance(out, (tuple, list)) else out
         if drawn is False or not isinstance(first, LocalTensor):
             return
-        site = hooks.call_site(3)
+        site = call_site(3)
         for r, value in first._local_tensors.items():
             draws = self.random_draws[r]
             if len(draws) < MAX_DRAWS:

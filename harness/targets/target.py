@@ -132,7 +132,7 @@ def _value(obj: Any) -> Any:
     return obj
 
 
-def _is_train_fn(obj: Any) -> bool:
+def is_train_fn(obj: Any) -> bool:
     """A custom loop: a function taking ``(ctx, run)`` (any names) as its first two positional
     parameters, every further parameter with a default (``train(ctx, run, bug=False)``)."""
     if not inspect.isfunction(obj):
@@ -170,7 +170,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
         raise TargetError(f"{where}: CASE must be a reference.Case or return one, got {type(case).__name__}")
     train = strategy = None
     if chosen is not None:
-        if _is_train_fn(chosen):
+        if is_train_fn(chosen):
             train = chosen
         else:
             strategy = _value(chosen)
@@ -182,7 +182,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
                 )
     elif hasattr(module, "STRATEGY"):
         strategy = _value(module.STRATEGY)
-    elif _is_train_fn(getattr(module, "train", None)):
+    elif is_train_fn(getattr(module, "train", None)):
         train = module.train
     elif callable(getattr(module, "train", None)):
         raise TargetError(

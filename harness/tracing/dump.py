@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from harness.launch.protocol import CollectiveEntry
+from harness.tracing.entries import CollectiveEntry
 from harness.tracing import fr, hooks, records
 from harness.tracing.tracer import current_tracer
 

@@ -17,13 +17,11 @@ sites from the Python hooks, falling back to FR's stacks only for C++-issued col
 from __future__ import annotations
 
 import ast
-import functools
-import importlib.util
 import os
 import pickle
 from typing import Any
 
-from harness import is_harness_file
+from harness.frames import is_library_frame
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 # Entries per rank; the launcher sets it before the process group exists (a user's own
@@ -32,37 +30,6 @@ FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 # per test and rank. The tracer reads the buffer often enough to keep a quarter of it free
 # between reads, and notes a loss should a single step issue more.
 RANK_FR_BUFFER = "4000"
-
-_STDLIB_DIR = os.path.dirname(os.__file__)
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_dir() -> str:
-    """torch's package directory, found without importing torch (the plugin stays cheap)."""
-    spec = importlib.util.find_spec("torch")
-    origin = spec.origin if spec is not None and spec.origin else ""
-    return os.path.dirname(os.path.abspath(origin)) if origin else os.sep + "nonexistent-torch"
-
-
-def _in_site_packages(path: str) -> bool:
-    """Installed third-party code (a model library such as transformers) is the user's model,
-    not the standard library it sits beside."""
-    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
-
-
-def is_library_frame(filename: str) -> bool:
-    """True for frames of torch, the harness's own launcher or the standard library."""
-    path = os.path.abspath(filename) if filename and not filename.startswith("<") else filename
-    if not path or path.startswith("<"):
-        return True
-    return (
-        path.startswith(_torch_dir() + os.sep)
-        or is_harness_file(path)
-        or (path.startswith(_STDLIB_DIR + os.sep) and not _in_site_packages(path))
-        or f"{os.sep}_pytest{os.sep}" in path
-        or f"{os.sep}pluggy{os.sep}" in path
-    )
-
 
 def call_site_of(frames: list[dict]) -> str:
     """The first FR stack frame outside torch / the harness / the stdlib, as 'file:line in fn'."""
@@ -112,7 +79,7 @@ def p2p_peer(op: str, peer: int | None) -> str:
 
 
 def format_entry(entry: Any) -> str:
-    """One ``CollectiveEntry`` (the launcher protocol's row) as a report line."""
+    """One ``CollectiveEntry`` (harness.tracing.entries) as a report line."""
     if getattr(entry, "is_p2p", False):
         return (
             f"{entry.op} p2p#{entry.p2p_seq_id} {p2p_peer(entry.op, entry.peer)} on pg {entry.process_group} "

@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
+from harness.frames import user_frame
+
 __all__ = [
     "DEFAULT_LOG_SIZE",
     "PyCall",
-    "call_site",
     "calls_since",
     "close_journal",
     "group_info",
@@ -117,7 +118,6 @@ _P2P_COUNTS: dict[tuple[str, str, int | None, int], int] = {}
 _GROUPS: dict[str, tuple[list[int], str]] = {}
 _LOCK = threading.Lock()
 _INSTALLED = False
-_LIBRARY_CODE: dict[Any, bool] = {}
 # torch.Tensor's isinstance goes through a Python metaclass hook (microseconds); its C base
 # class answers the same question at C speed.
 _TENSOR = getattr(torch._C, "TensorBase", torch.Tensor)
@@ -156,30 +156,6 @@ def group_info(pg_name: str) -> tuple[list[int], str] | None:
     except Exception:  # noqa: BLE001 - torch without distributed, or no group yet
         return None
     return None
-
-
-def _is_library(code: Any) -> bool:
-    known = _LIBRARY_CODE.get(code)
-    if known is None:
-        from harness.tracing.fr import is_library_frame
-
-        known = _LIBRARY_CODE[code] = is_library_frame(code.co_filename)
-    return known
-
-
-def _user_frame(frame: Any) -> Any:
-    """``frame`` or the innermost frame above it outside torch, the harness and the stdlib
-    (``frame`` itself when every frame is library code)."""
-    innermost = frame
-    while frame is not None and _is_library(frame.f_code):
-        frame = frame.f_back
-    return innermost if frame is None else frame
-
-
-def call_site(depth: int = 1) -> str:
-    """``file:line in fn`` of the innermost frame outside torch, the harness and the stdlib."""
-    frame = _user_frame(sys._getframe(depth))
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -244,7 +220,7 @@ def _wrap(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         t0 = time.time_ns()
         try:  # what the ring buffer and the journal both need, read once
             seen = (_pg_name(self), _tensors(args[input_index]) if 0 <= input_index < len(args) else [],
-                    _user_frame(sys._getframe(1)))  # the torch.distributed function, then outward
+                    user_frame(sys._getframe(1)))  # the torch.distributed function, then outward
         except Exception:  # noqa: BLE001 - tracing must never break the user's collective
             seen = None
         if _JOURNAL_FD is not None and seen is not None:

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.codes import Diagnosis
-from harness.tracing import hooks
+from harness.frames import call_site
 from reference.draws import random_output
 
 __all__ = ["RandomDraw", "RandomOpLog", "check_random_ops", "draw_digest"]
@@ -80,7 +80,7 @@ class RandomOpLog(TorchDispatchMode):
                 self.draws.append(RandomDraw(
                     index=len(self.draws), op=str(func.overloadpacket.__name__), shape=list(first.shape),
                     dtype=str(first.dtype).removeprefix("torch."), digest=draw_digest(drawn) if drawn is not None else "",
-                    call_site=hooks.call_site(2),
+                    call_site=call_site(2),
                 ))
         return out
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.launch.protocol import CollectiveEntry
+from harness.tracing.entries import CollectiveEntry
 from harness.tracing import fr, hooks
 from harness.tracing.fr import short_site
 

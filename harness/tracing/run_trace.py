@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from harness.tracing.records import CollectiveRecord, record_bytes
 from harness.tracing.random_ops import RandomDraw
 
-__all__ = ["TRACE_FILE", "TRACE_FORMAT", "TRACE_VERSION", "RankTrace", "RunTrace", "TraceError"]
+__all__ = ["TRACE_FILE", "TRACE_FORMAT", "TRACE_VERSION", "RankTrace", "RunTrace", "TraceError", "load_trace"]
 
 TRACE_FORMAT = "harness-trace"
 TRACE_VERSION = 1
@@ -255,3 +255,15 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
     return repr(value)
+
+
+def load_trace(path: str | os.PathLike[str] | None) -> RunTrace | None:
+    """The :class:`~harness.tracing.RunTrace` at ``path``, or None when there is none to read
+    (no path, a missing or unreadable file): the engine then works without
+    the trace checks."""
+    if not path:
+        return None
+    try:
+        return RunTrace.load(path)
+    except (OSError, ValueError):
+        return None

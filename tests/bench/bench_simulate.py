@@ -35,7 +35,7 @@ kind, n = sys.argv[1], int(sys.argv[2])
 if kind == "train":
     from cases.catalog import transformer_case
     from cases.strategies.hybrid import DDPTensorParallelStrategy
-    from harness.simulate import simulate_target
+    from harness.pipeline import simulate_target
     from harness.targets.target import Target
     case = transformer_case(global_batch_size=n * 2, num_samples=max(64, n * 4), steps=2)
     report = simulate_target(Target(f"dp{{n // 2}}-tp2", case, DDPTensorParallelStrategy(tp=2)), n, cache={cache!r})
@@ -65,9 +65,9 @@ def _child(kind: str, n: int, cache: str) -> dict:
 
 def main() -> None:
     from harness.launch.remote import RankRunner
-    from harness.simulate import simulate_target
+    from harness.pipeline import simulate_target
     from harness.targets.bundled import load_target
-    from harness.targets.drive import diagnose_target
+    from harness.pipeline import diagnose_target
 
     cache = tempfile.mkdtemp(prefix="bench-simulate-cache-")
     print(f"1. the same targets at 4 ranks, real (gloo) and simulated; {os.cpu_count()} cores")

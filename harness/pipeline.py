@@ -1,0 +1,442 @@
+"""One diagnosed run: reference -> train -> compare -> diagnose -> report, for every front end.
+
+What trains is a :class:`~harness.targets.target.Target`'s strategy or its custom loop
+(``train(ctx, run)``); where it trains is an argument: real ranks started here
+(:func:`diagnose_target`, the engine of ``python -m harness diagnose``), ranks that already run
+(:func:`diagnose_on_ranks`, collective: pytest's :func:`~harness.testing.assert_matches_reference`
+on the plugin's ranks or under torchrun) or simulated ranks in this process
+(:func:`diagnose_simulated`). The steps override and the training seed are applied here once;
+a run that fails or hangs on real ranks is reported through
+:func:`harness.analysis.failed_run.failure_report`, the path pytest uses too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reference.case import Case
+
+from harness import settings
+from harness.codes import Diagnosis
+from harness.context import broadcast_object
+from harness.launch.remote import RankRunner, RanksFailed, RanksHung
+from harness.report.model import DiagnosisReport
+from harness.run import RunResult
+from harness.strategy import DistContextLike
+from harness.targets.target import Target, TargetError
+
+__all__ = [
+    "DiagnosedRun",
+    "diagnose_on_ranks",
+    "diagnose_simulated",
+    "diagnose_target",
+    "diagnosis_report",
+    "run_and_diagnose",
+    "simulate_target",
+]
+
+
+@dataclass
+class DiagnosedRun:
+    """What :func:`diagnose_on_ranks` returns on every rank. ``result`` is None when the run
+    could not be compared (a pipeline split that lost a layer: ``findings`` names it);
+    ``report`` is set on ``dst`` only, and there only when asked for or the run failed."""
+
+    result: RunResult | None
+    report: DiagnosisReport | None = None
+    findings: list[Diagnosis] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.result is not None and self.result.passed and not self.findings
+
+
+# -- the stages every run goes through --------------------------------------------------------
+def diagnosis_report(
+    target: Target,
+    case: Case,
+    nproc: int,
+    *,
+    comparison: Any,
+    record_path: str | None,
+    trace_path: str | None,
+    cache: str | os.PathLike[str] | None,
+    findings: list[Diagnosis] | None = None,
+    probe: Any = None,
+    error: str = "",
+    elapsed_s: float | None = None,
+) -> DiagnosisReport:
+    """On the comparing rank (or the simulating process): load the records and trace a run
+    left, run the diagnosis engine over them (``findings`` are causes already known, e.g. lost
+    pipeline stages) and build the report."""
+    from reference.cache import cached_reference
+    from reference.record import Record
+
+    from harness.analysis.diagnose import diagnose
+    from harness.report.model import build_report
+    from harness.tracing.run_trace import load_trace
+
+    # A stepwise comparison's reference is the same-start replay of this run; the engine reads
+    # the tensors the comparison was made against.
+    trajectory = cached_reference(case, cache=cache)
+    stepwise = Record.load(comparison.reference) if getattr(comparison, "mode", "") == "stepwise" else None
+    actual = Record.load(record_path) if record_path else None
+    trace = load_trace(trace_path)
+    found = list(findings or [])
+    if comparison is not None and actual is not None:
+        found = diagnose(comparison, stepwise or trajectory, actual, trace=trace, findings=found, probe=probe, case=case)
+    return build_report(
+        target=target, case=case, nproc=nproc, comparison=comparison, reference=trajectory, actual=actual,
+        stepwise=stepwise, trace=trace, diagnoses=found, error=error if not found else "", elapsed_s=elapsed_s,
+    )
+
+
+def _train_strategy(target: Target, case: Case, strategy: Any, ctx: DistContextLike, dst: int, run_options: dict[str, Any],
+                    out: DiagnosedRun) -> tuple[str | None, str | None, Any]:
+    """Collective: train and compare ``strategy`` with the activation probe on (filling
+    ``out.result`` on every rank); (record path, trace path, probe) for the report."""
+    from harness.analysis.diagnose import stage_coverage_diagnosis
+    from harness.record.gather import StageCoverageError
+    from harness.record.probe import ProbedStrategy, collect_probe
+    from harness.run import run_strategy
+
+    probed = ProbedStrategy(strategy)
+    try:
+        out.result = run_strategy(case, probed, ctx, dst=dst, **run_options)
+    except StageCoverageError as exc:  # raised on every rank alike (the check is collective)
+        out.findings.append(stage_coverage_diagnosis(exc))
+        out.error = str(exc)
+    probe = collect_probe(probed, dst)  # collective: every rank takes part, even after a failure
+    result = out.result
+    if result is None:
+        return None, None, probe
+    return result.record_path, result.trace_path or None, probe
+
+
+def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, run_options: dict[str, Any],
+                  out: DiagnosedRun) -> tuple[str | None, str | None, Any]:
+    """Collective: run the target's own loop ``train(ctx, run)`` with a
+    :class:`~harness.record.custom.CustomRun` recording and tracing it, then compare on
+    ``dst`` (``out.result`` on every rank); (record path, trace path, probe) for the report."""
+    from harness.analysis.failed_run import note_finished
+    from harness.record.custom import CustomRun
+    from harness.record.probe import collect_probe
+    from harness.run import compare_to_reference, trace_parts_dir
+    from harness.tracing.run_trace import TRACE_FILE
+    from harness.tracing.tracer import Tracer
+
+    assert target.train is not None
+    is_dst = ctx.rank == dst
+    workdir = run_options.get("workdir")
+    base = Path(workdir) if workdir is not None else (Path(tempfile.mkdtemp(prefix="harness-run-")) if is_dst else None)
+    record_dir = base / f"custom-{case.name}-w{ctx.world_size}" if base is not None else None
+    tracer = Tracer(name=f"custom-{case.name}")
+    run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer)
+    case.seed_training()
+    try:
+        # Active while the loop runs, so a hang dump can tell the harness's collectives apart.
+        with tracer:
+            try:
+                target.train(ctx, run)
+                run.check_ran_every_step(target.train)
+            finally:
+                run.stop_draws()  # before the tracer's own log: dispatch modes are a stack
+    except BaseException:
+        if run.recorder is not None:
+            run.finish(complete=False)
+        if record_dir is not None:
+            try:  # the ranks may no longer be in step: each writes its own trace part
+                tracer.save_part(trace_parts_dir(record_dir))
+            except Exception:  # noqa: BLE001 - the loop's own error is what the user must see
+                pass
+        raise
+    record = run.finish()
+    run_trace = tracer.gather(dst, meta={"case": case.name, "strategy": "custom"})
+    probe = collect_probe(run, dst) if run.probe is not None else None  # collective
+    payload: tuple[str, Any] = ("ok", None)
+    error: BaseException | None = None
+    if is_dst:
+        assert record is not None
+        try:
+            compared = compare_to_reference(case, record, cache=run_options.get("cache"),
+                                            label=f"{target.name} on {ctx.world_size} ranks vs reference",
+                                            tolerance=run_options.get("tolerance", "auto"),
+                                            comparison=run_options.get("comparison", "stepwise"))
+            trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE)) if run_trace is not None else ""
+            note_finished(case=case, strategy="custom", nproc=ctx.world_size, record=str(record.path), comparison=compared)
+            payload = ("ok", RunResult(case.name, "custom", ctx.world_size, compared, compared.reference, str(record.path),
+                                       trace_path=trace_path))
+        except Exception as exc:  # every rank must learn of it, not only dst
+            error, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
+    status, value = broadcast_object(payload, dst)  # type: ignore[misc]
+    if error is not None:
+        raise error
+    if status == "error":
+        from harness.run import RunError
+
+        raise RunError(f"rank {dst} could not compare {target.name!r} with the reference: {value}")
+    out.result = value
+    return value.record_path, value.trace_path or None, probe
+
+
+def diagnose_on_ranks(
+    target: Target,
+    ctx: DistContextLike,
+    *,
+    steps: int | None = None,
+    dst: int = 0,
+    report_on_pass: bool = True,
+    strategy: Any = None,
+    **run_options: Any,
+) -> DiagnosedRun:
+    """Collective: train ``target`` (its strategy, or its custom loop) on every rank, compare
+    with the reference on ``dst`` and diagnose there. ``steps`` overrides the case's;
+    ``report_on_pass=False`` skips building a report for a run that matched (pytest only needs
+    one to fail with); ``strategy`` replaces the target's for training (a wrapper that reports
+    progress) and ``run_options`` are :func:`harness.run.run_strategy`'s (``tolerance``,
+    ``workdir``, ``cache``, ``comparison``)."""
+    started = time.monotonic()
+    case = target.case.with_steps(steps)
+    out = DiagnosedRun(result=None)
+    strategy = strategy if strategy is not None else target.strategy
+    if strategy is not None:
+        record_path, trace_path, probe = _train_strategy(target, case, strategy, ctx, dst, run_options, out)
+    elif target.train is not None:
+        record_path, trace_path, probe = _train_custom(target, case, ctx, dst, run_options, out)
+    else:
+        raise TargetError(f"{target.name} has neither a strategy nor a train(ctx, run) loop to run on ranks")
+    if ctx.rank != dst or (out.passed and not report_on_pass):
+        return out
+    result = out.result
+    out.report = diagnosis_report(
+        target, case, ctx.world_size, comparison=result.comparison if result is not None else None,
+        record_path=record_path, trace_path=trace_path, cache=run_options.get("cache"), findings=out.findings,
+        probe=probe, error=out.error, elapsed_s=time.monotonic() - started,
+    )
+    return out
+
+
+def run_and_diagnose(case: Case, strategy: Any, ctx: DistContextLike, *, target: Target | None = None,
+                     report_on_pass: bool = True, **run_options: Any) -> DiagnosedRun:
+    """:func:`diagnose_on_ranks` of one strategy on ``case`` (``target`` names the run in the
+    report; default: the strategy and case)."""
+    named = dataclasses.replace(target, case=case) if target is not None else Target(f"{strategy.name}-{case.name}", case, strategy)
+    return diagnose_on_ranks(named, ctx, strategy=strategy, report_on_pass=report_on_pass, **run_options)
+
+
+# -- where: simulated ranks in this process ---------------------------------------------------
+def diagnose_simulated(
+    target: Target,
+    world_size: int,
+    *,
+    steps: int | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    tolerance: Any = "auto",
+    comparison: str = "stepwise",
+    echo: Callable[[str], None] | None = None,
+) -> tuple[DiagnosisReport, Any, Any]:
+    """(report, :class:`~harness.analysis.compare.CompareResult`,
+    :class:`~harness.simulate.run.SimulatedRun`) of ``target`` on ``world_size`` simulated ranks
+    (the same codes as real ranks)."""
+    from reference.cache import cached_reference
+    from reference.record import Record
+
+    from harness.run import compare_to_reference
+    from harness.simulate.run import simulate_strategy
+    from harness.simulate.support import check_target
+
+    say = echo or (lambda line: None)
+    check_target(target)
+    started = time.monotonic()
+    case = target.case.with_steps(steps)
+    work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-simulate-")
+    os.makedirs(work, exist_ok=True)
+    say(f"reference: training {case.name!r} on one device ({case.steps} steps)")
+    cached_reference(case, cache=cache)
+    say(f"ranks: training {target.strategy.name} on {world_size} simulated ranks (one process)")
+    run = simulate_strategy(case, target.strategy, world_size, work, progress=say)
+    say("diagnose: comparing and naming causes")
+    compared = compare_to_reference(case, Record.load(run.record_path), cache=cache, tolerance=tolerance, comparison=comparison,
+                                    label=f"{target.name} on {world_size} simulated ranks vs reference")
+    report = diagnosis_report(target, case, world_size, comparison=compared, record_path=run.record_path,
+                              trace_path=run.trace_path, cache=cache, elapsed_s=time.monotonic() - started)
+    report.target["simulated"] = True
+    report.workdir = work
+    return report, compared, run
+
+
+def simulate_target(target: Target, world_size: int, **options: Any) -> DiagnosisReport:
+    """The report of :func:`diagnose_simulated` (``options`` are its own)."""
+    return diagnose_simulated(target, world_size, **options)[0]
+
+
+# -- where: real ranks started here (python -m harness diagnose) ------------------------------
+class _ProgressStrategy:
+    """Delegates to a strategy; appends "step k/K" to a file after each optimizer step so the
+    launching process can show progress while the ranks run."""
+
+    def __init__(self, inner: Any, path: str | None, steps: int):
+        self.inner = inner
+        self.name = inner.name
+        self.path = path
+        self.steps = steps
+        self.done = 0
+
+    def setup(self, case: Any, ctx: Any) -> Any:
+        return self.inner.setup(case, ctx)
+
+    def local_batches(self, case: Any, setup: Any, step: int) -> Any:
+        return self.inner.local_batches(case, setup, step)
+
+    def forward_backward(self, case: Any, setup: Any, micro_batches: Any) -> Any:
+        return self.inner.forward_backward(case, setup, micro_batches)
+
+    def optimizer_step(self, case: Any, setup: Any) -> None:
+        self.inner.optimizer_step(case, setup)
+        self.done += 1
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(f"step {self.done}/{self.steps} trained\n")
+                if self.done == self.steps:  # the run compares and diagnoses next
+                    fh.write("diagnose: comparing and naming causes\n")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _progress(path: str | None, message: str) -> None:
+    if path:
+        with open(path, "a") as fh:
+            fh.write(message + "\n")
+
+
+def diagnose_on_rank(
+    ctx: Any,
+    target_spec: str,
+    steps: int | None,
+    workdir: str,
+    cache: str | None,
+    progress_path: str | None = None,
+    dst: int = 0,
+    tolerance: str = "auto",
+    comparison: str = "stepwise",
+) -> DiagnosisReport | None:
+    """Rank body of :func:`diagnose_target` (collective): the target resolved on the rank, the
+    reference trained first on ``dst`` (its own phase in the progress lines), then
+    :func:`diagnose_on_ranks`; the report on ``dst``, None elsewhere."""
+    import torch.distributed as dist
+
+    from reference.cache import cached_reference
+
+    from harness.targets.bundled import load_target
+
+    target = load_target(target_spec)
+    case = target.case.with_steps(steps)
+    is_dst = ctx.rank == dst
+    if is_dst:
+        _progress(progress_path, f"reference: training {case.name!r} on one device ({case.steps} steps)")
+        cached_reference(case, cache=cache)  # before the ranks start, so its time shows as its own phase
+        _progress(progress_path, f"ranks: training {target.strategy.name if target.strategy else 'custom loop'} on {ctx.world_size} ranks")
+    dist.barrier()
+    progress = None
+    if target.strategy is not None:
+        progress = _ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps)
+    run = diagnose_on_ranks(target, ctx, steps=steps, dst=dst, strategy=progress, workdir=workdir, cache=cache,
+                            tolerance=tolerance, comparison=comparison)
+    return run.report
+
+
+def _tail(path: str, stop: threading.Event, echo: Callable[[str], None]) -> None:
+    """Echo the progress file's new lines every 0.2 s until ``stop``, then once more: the
+    ranks' last lines (the final step) are written just before they return."""
+    pos = 0
+    while True:
+        stopping = stop.is_set()
+        try:
+            with open(path) as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+                pos = fh.tell()
+        except FileNotFoundError:
+            chunk = ""
+        for line in chunk.splitlines():
+            echo(f"  {line}")
+        if stopping:
+            return
+        stop.wait(0.2)
+
+
+def diagnose_target(
+    target: str,
+    *,
+    nproc: int | None = None,
+    steps: int | None = None,
+    runner: RankRunner | None = None,
+    timeout: float | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    echo: Callable[[str], None] | None = None,
+    tolerance: str = "auto",
+    comparison: str = "stepwise",
+    stall_window: float | None = None,
+) -> DiagnosisReport:
+    """Diagnose ``target`` (see :mod:`harness.targets.target`) on ``nproc`` ranks (default: the
+    target's NPROC, else 2) and return the report. ``timeout`` defaults to the target's
+    TIMEOUT, else :data:`harness.settings.RUN_TIMEOUT_S`; ``stall_window`` to the target's
+    STALL_WINDOW, else the runner's (see :meth:`~harness.launch.remote.RankRunner.run`). ``echo``
+    receives progress lines. ``tolerance`` and ``comparison`` as
+    :func:`harness.run.compare_to_reference` takes them."""
+    from harness.analysis.failed_run import failure_report, left_behind, recorded_lines
+    from harness.targets.bundled import load_target
+
+    say = echo or (lambda line: None)
+    resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
+    if resolved.layout is not None:
+        raise TargetError(f"{resolved.name} is a layout check on simulated ranks, not a run on real ones: "
+                          f"python -m harness diagnose {resolved.name} (or harness.simulate.layout.check_layout)")
+    world = nproc or resolved.nproc or 2
+    case = resolved.case.with_steps(steps)
+    work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-diagnose-")
+    os.makedirs(work, exist_ok=True)
+    progress_path = os.path.join(work, f"progress-{os.getpid()}-{time.monotonic_ns()}.log")
+    say(f"target {resolved.name}: case {case.name!r}, {world} ranks, {case.steps} steps")
+    own = runner is None
+    runner = runner or RankRunner()
+    stop = threading.Event()
+    tail = threading.Thread(target=_tail, args=(progress_path, stop, say), daemon=True)
+    tail.start()
+    started = time.monotonic()
+    try:
+        result = runner.run(
+            diagnose_on_rank, nproc=world, timeout=timeout or resolved.timeout or settings.RUN_TIMEOUT_S,
+            stall_window=stall_window if stall_window is not None else resolved.stall_window,
+            kwargs={"target_spec": target, "steps": steps, "workdir": work, "tolerance": tolerance, "comparison": comparison,
+                    "cache": str(cache) if cache is not None else None, "progress_path": progress_path},
+        )
+        report = result.values.get(0)
+        if not isinstance(report, DiagnosisReport):
+            raise RanksFailed(f"rank 0 returned {type(report).__name__}, not a report", result.outcome)  # type: ignore[arg-type]
+    except KeyboardInterrupt as exc:
+        # Ctrl-C / SIGTERM: the ranks are gone (the pool killed them); what they recorded stays.
+        exc.left_behind = recorded_lines(left_behind(work)[2]) or f"\n\nnothing recorded yet (run folder {work})"  # type: ignore[attr-defined]
+        raise
+    except (RanksHung, RanksFailed) as exc:
+        report = failure_report(exc.outcome, work, target=resolved, case=case, nproc=world, error=exc.report,
+                                elapsed_s=time.monotonic() - started)
+    finally:
+        stop.set()
+        tail.join(timeout=1)
+        if own:
+            runner.close()
+    report.workdir = work
+    return report

@@ -1,0 +1,22 @@
+"""A rank's traceback as pytest prints it, whatever its depth (pytest >= 8 made traceback
+entries immutable: a deep traceback once fell back to Python's own format)."""
+
+from __future__ import annotations
+
+
+def _three(n: int) -> None:
+    if n == 0:
+        raise ValueError("deep")
+    _three(n - 1)
+
+
+def test_a_deep_traceback_is_pytest_style_with_the_middle_short() -> None:
+    from harness.launch.worker import _pytest_longrepr
+
+    try:
+        _three(3)
+    except ValueError as exc:
+        text = _pytest_longrepr(exc, _three)
+    assert "Traceback (most recent call last)" not in text
+    assert "raise ValueError(\"deep\")" in text and "E           ValueError: deep" in text
+    assert text.count(": in _three") >= 2, text  # the middle entries, short style
