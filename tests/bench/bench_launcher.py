@@ -95,7 +95,10 @@ def time_interrupt(directory: str, nproc: int) -> float:
         fh.write(SLEEP_FILE)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nproc", str(nproc),
                              "test_sleep_bench.py"], cwd=directory, env={**os.environ, "MARKER_DIR": markers},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            # A benchmark started in the background of a shell inherits SIGINT
+                            # ignored, and Python then installs no handler: pytest would never see it.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while len(os.listdir(markers)) < nproc and proc.poll() is None:
         time.sleep(0.05)
     start = time.perf_counter()
