@@ -217,11 +217,17 @@ def diagnose_on_ranks(
     if ctx.rank != dst or (out.passed and not report_on_pass):
         return out
     result = out.result
+    trained = time.monotonic()
     out.report = diagnosis_report(
         target, case, ctx.world_size, comparison=result.comparison if result is not None else None,
         record_path=record_path, trace_path=trace_path, cache=run_options.get("cache"), findings=out.findings,
         probe=probe, error=out.error, elapsed_s=time.monotonic() - started,
     )
+    # Where the time went: the ranks' training and recording, the comparison's phases, the
+    # diagnosis and report (tests/bench/bench_long_runs.py reads these).
+    compared = dict(getattr(result.comparison, "timing", {}) if result is not None else {})
+    out.report.timing["phases"] = {"ranks_s": trained - started - sum(compared.values()), **compared,
+                                   "diagnosis_s": time.monotonic() - trained}
     return out
 
 
@@ -345,7 +351,9 @@ def diagnose_on_rank(
     is_dst = ctx.rank == dst
     if is_dst:
         _progress(progress_path, f"reference: training {case.name!r} on one device ({case.steps} steps)")
+        reference_started = time.monotonic()
         cached_reference(case, cache=cache)  # before the ranks start, so its time shows as its own phase
+        reference_s = time.monotonic() - reference_started
         _progress(progress_path, f"ranks: training {target.strategy.name if target.strategy else 'custom loop'} on {ctx.world_size} ranks")
     dist.barrier()
     progress = None
@@ -353,6 +361,8 @@ def diagnose_on_rank(
         progress = _ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps)
     run = diagnose_on_ranks(target, ctx, steps=steps, dst=dst, strategy=progress, workdir=workdir, cache=cache,
                             tolerance=tolerance, comparison=comparison)
+    if run.report is not None:
+        run.report.timing["phases"] = {"reference_s": reference_s, **run.report.timing.get("phases", {})}
     return run.report
 
 

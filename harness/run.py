@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,7 @@ def compare_to_reference(
     check_comparison_mode(comparison)
     reference = cached_reference(case, cache=cache)
     notes: list[str] = []
+    clock = _PhaseClock()
 
     def policy_for(stepwise: bool) -> TolerancePolicy:
         try:
@@ -238,10 +240,15 @@ def compare_to_reference(
             return DefaultTolerances()
 
     if comparison == "trajectory":
-        result = compare(reference, record, policy_for(False), label=label)
+        with clock("calibration_s"):
+            policy = policy_for(False)
+        with clock("comparison_s"):
+            result = compare(reference, record, policy, label=label)
         result.notes += notes
+        result.timing = clock.seconds
         return result
-    policy = policy_for(True)
+    with clock("calibration_s"):
+        policy = policy_for(True)
     replicas = dp_size(record)
     # The replay starts each step from the run's state by name: under the reference's names
     # where the run's differ by a renaming the shapes propose (the comparison reports the names).
@@ -249,22 +256,44 @@ def compare_to_reference(
     source = record.renamed(renaming) if renaming else record
     if case.per_replica and replicas > 1:
         # The case says these statistics are per replica on purpose: that reference is the contract.
-        stepwise = replay_reference(case, source, replay_path(record.path), variant=ReferenceVariant(replicas=replicas))
-        result = compare(stepwise, record, policy, label=label)
+        with clock("replay_s"):
+            stepwise = replay_reference(case, source, replay_path(record.path), variant=ReferenceVariant(replicas=replicas))
+        with clock("comparison_s"):
+            result = compare(stepwise, record, policy, label=label)
         result.per_replica = {"contract": True, "replicas": replicas, "declared": list(case.per_replica)}
         notes.append(f"compared with the per-replica reference: each of the {replicas} replicas' micro-batches computed on "
                      f"their own (the case declares per-replica statistics: {', '.join(case.per_replica)})")
     else:
-        stepwise = replay_reference(case, source, replay_path(record.path))
-        result = compare(stepwise, record, policy, label=label)
+        with clock("replay_s"):
+            stepwise = replay_reference(case, source, replay_path(record.path))
+        with clock("comparison_s"):
+            result = compare(stepwise, record, policy, label=label)
         if result.failures() and replicas > 1:  # values that need explaining, not names alone
-            result.per_replica = _per_replica_view(case, source, stepwise, policy, replicas)
+            with clock("per_replica_s"):
+                result.per_replica = _per_replica_view(case, source, stepwise, policy, replicas)
     result.notes += notes
     result.mode = "stepwise"
     # The same tolerances as the verdict's: the view says where the trajectory leaves one
     # step's noise, which a correct run may well do.
-    result.trajectory = trajectory_view(compare(reference, record, policy))
+    with clock("trajectory_view_s"):
+        result.trajectory = trajectory_view(compare(reference, record, policy))
+    result.timing = clock.seconds
     return result
+
+
+class _PhaseClock:
+    """Seconds per named phase, summed over its ``with clock(name):`` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Any:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
 def dp_size(record: Record) -> int:

@@ -110,3 +110,17 @@ def test_a_rank_that_exits_or_returns_early_is_reported_as_that_ranks_exit(varia
     assert run.verdict.verdict == "error" and run.codes == [], run.verdict.to_dict()
     for part in says:
         assert part.format(file=path.name, line=_line(path, marker)) in run.verdict.error, run.verdict.error
+
+
+def test_a_bug_that_shows_only_after_the_epoch_wraps_is_named_in_a_long_run(rank_runner, reference_cache, tmp_path) -> None:
+    """A loop that never reshuffles (no ``set_epoch``) is right for the first epoch (4 steps)
+    and wrong from the first step of the second: a long run (100 steps, every step recorded and
+    compared) fails there, with the sample ids first among what differs; the loop that
+    reshuffles passes the same 100 steps."""
+    path = LOOPS / "no_set_epoch.py"
+    bug = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "bug", steps=100)
+    assert bug.verdict.verdict == "fail" and bug.codes, bug.verdict.to_dict()
+    divergence = bug.comparison["first_divergence"]
+    assert divergence["step"] == 4 and ["samples", "ids"] in divergence["entries"], divergence
+    ok = diagnose_target(f"{path}:correct", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok", steps=100)
+    assert ok.verdict.verdict == "pass", ok.verdict.to_dict()

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference.record import KINDS, Record, RecordError, RecordWriter, optimizer_state_items, split_optim_state_name
+from reference.record import KINDS, STEP_JOURNAL, Record, RecordError, RecordWriter, optimizer_state_items, split_optim_state_name
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 
@@ -191,3 +191,27 @@ def test_html_json_and_chrome_trace_reports_use_the_link_safe_write(tmp_path) ->
         write(report, path)
         assert not path.is_symlink() and path.stat().st_size > 0, name
     assert victim.read_text() == "precious"
+
+
+def test_a_checkpoint_costs_the_same_at_every_step_and_reads_back(tmp_path) -> None:
+    """A run killed after checkpoints leaves a readable record of the steps done. Each
+    checkpoint appends only the new steps (the journal grows by one line a step; meta.json,
+    only the header, does not grow), and a journal line cut by the kill is skipped."""
+    w = RecordWriter(tmp_path / "r", {"source": "test"})
+    staging = w._staging
+    header_sizes = []
+    for step in range(6):
+        w.step(step).loss = float(step)
+        w.add_tensor(step, "param", "w", torch.full((3,), float(step)))
+        w.checkpoint()
+        header_sizes.append((staging / "meta.json").stat().st_size)
+        assert len((staging / STEP_JOURNAL).read_text().splitlines()) == step + 1
+    assert len(set(header_sizes)) == 1, header_sizes
+    partial = Record.load(staging)
+    assert not partial.complete and partial.losses == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert torch.equal(partial.tensor(5, "param", "w"), torch.full((3,), 5.0))
+    with open(staging / STEP_JOURNAL, "a") as fh:
+        fh.write('{"step": 6, "loss"')  # the kill came mid-line
+    assert Record.load(staging).num_steps == 6
+    finished = w.finish()
+    assert finished.complete and finished.num_steps == 6 and Record.load(tmp_path / "r").losses[-1] == 5.0

@@ -171,6 +171,9 @@ class CompareResult:
     # Secondary view in stepwise mode: the run's whole trajectory against the reference's
     # (see :func:`trajectory_view`); never part of ``passed``.
     trajectory: dict[str, Any] = field(default_factory=dict)
+    # Seconds spent per phase of the comparison (calibration_s, replay_s, comparison_s,
+    # trajectory_view_s): what a long run costs, and where (tests/bench/bench_long_runs.py).
+    timing: dict[str, float] = field(default_factory=dict)
     # The per-replica reference of a data-parallel run (each replica's micro-batches on their
     # own, harness.analysis.per_replica): "contract" when the case declares per-replica
     # statistics and it is ``reference``; else, for a run that failed, whether it matches that

@@ -21,7 +21,7 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
       "collectives": {"events": {"<rank>": [{"seq", "op", "group", "group_ranks", "shapes", "dtypes",
                       "reduce_op", "peer", "call_site", "step", "start_us", "end_us"}]},
                       "summary": [{"step", "group", "op", "count", "bytes"}]} | null,
-      "timing": {"elapsed_s": float},
+      "timing": {"elapsed_s": float, "phases": {"reference_s", "ranks_s", "calibration_s", "replay_s", "comparison_s", "trajectory_view_s", "diagnosis_s": float}},
       "recorded": {"records": [{"path", "complete", "steps"}], "trace_parts": [path],
                    "unfinished": [path]}   # a failed or hung run: what it left, and where
     }
