@@ -2,20 +2,21 @@
 
 A record is a directory::
 
-    meta.json                           format, source, case, ranks, per-step losses, sample ids,
-                                        optimizer param groups and an index of every tensor
-    steps/0000/grad/<name>.bin          full gradient just before the optimizer step
-    steps/0000/param/<name>.bin         full parameter just after it
-    steps/0000/optim/<param>.<key>.bin  full optimizer state just after it
-    steps/0000/aux/<key>.bin            evidence beside the compared state (parallel runs: the
-                                        differing copies of a replicated tensor, the random
-                                        generators' states before each draw); never compared
+    meta.json       format, source, case, ranks, per-step losses, sample ids, optimizer param
+                    groups and an index of every tensor
+    steps.jsonl     an unfinished record's steps, one JSON line each (see RecordWriter.checkpoint)
+    steps/0000.bin  the step's tensors, one after the other: each full gradient just before the
+                    optimizer step, parameter and optimizer state just after it, and the evidence
+                    beside the compared state (parallel runs: the differing copies of a replicated
+                    tensor, the random generators' states before each draw; never compared)
 
-Each tensor is one file of its raw bytes (C order); the index holds its shape, dtype, byte
-count and SHA-256, so a reader holds one tensor at a time, nothing is unpickled, and
-:meth:`Record.verify` tells a damaged, truncated or missing file from a good one (the reference
-cache never uses a damaged entry). Raw bytes, not ``torch.save``: its zip container cost a third
-of a small run's recording, and ``torch.load`` does not check the zip's checksums. A record is
+Each tensor is its raw bytes (C order) at an offset of its step's file; the index holds its
+shape, dtype, offset, byte count and SHA-256, so a reader holds one tensor at a time, nothing is
+unpickled, and :meth:`Record.verify` tells a damaged, truncated or missing tensor from a good
+one (the reference cache never uses a damaged entry). One file a step, not one a tensor: creating
+a file cost more than writing its bytes (two thirds of a 1,000-step run's recording). Raw bytes,
+not ``torch.save``: its zip container cost a third of a small run's recording, and
+``torch.load`` does not check the zip's checksums. A record is
 written into a staging directory and renamed into place when finished, so a reader never sees
 half a record; a run that fails part way is still finished with ``complete: false``.
 """
@@ -28,7 +29,6 @@ import json
 import os
 import shutil
 import time
-import urllib.parse
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -56,7 +56,7 @@ __all__ = [
 
 RECORD_FORMAT = "harness-record"
 STEP_JOURNAL = "steps.jsonl"  # an unfinished record's steps, one JSON line each (RecordWriter.checkpoint)
-RECORD_VERSION = 2  # 2: raw tensor files with their SHA-256 (1: torch.save files)
+RECORD_VERSION = 3  # 3: one file a step (2: one raw file a tensor; 1: torch.save files)
 KINDS: tuple[str, ...] = ("grad", "param", "optim")
 """Tensor kinds in a step, in the order they happen: gradients before the optimizer step,
 parameters and optimizer state after it."""
@@ -80,17 +80,29 @@ class TensorInfo:
     dtype: str
     finite: bool
     file: str
-    nbytes: int = -1  # the file's length (-1: not recorded)
-    sha256: str = ""  # of the file's bytes ("": not recorded)
+    nbytes: int = -1  # the tensor's byte count (-1: not recorded)
+    sha256: str = ""  # of the tensor's bytes ("": not recorded)
+    offset: int = 0  # where its bytes start in ``file``
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype, "finite": self.finite, "file": self.file,
-                "nbytes": self.nbytes, "sha256": self.sha256}
+                "offset": self.offset, "nbytes": self.nbytes, "sha256": self.sha256}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "TensorInfo":
         return cls(shape=tuple(data["shape"]), dtype=data["dtype"], finite=data["finite"], file=data["file"],
-                   nbytes=int(data.get("nbytes", -1)), sha256=str(data.get("sha256", "")))
+                   nbytes=int(data.get("nbytes", -1)), sha256=str(data.get("sha256", "")),
+                   offset=int(data.get("offset", 0)))
+
+    @property
+    def where(self) -> str:
+        """The tensor's place on disk, for messages."""
+        return f"{self.file}@{self.offset}"
+
+    @property
+    def key(self) -> str:
+        """Its place and form: unique in a record (an empty tensor shares its offset with the next)."""
+        return f"{self.file}@{self.offset}+{self.nbytes}:{self.dtype}{list(self.shape)}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -173,11 +185,9 @@ def _check_kind(kind: str) -> None:
         raise RecordError(f"unknown tensor kind {kind!r}; allowed: {', '.join(KINDS)}")
 
 
-def _file_name(name: str) -> str:
+def _check_name(name: str) -> None:
     if not name:
         raise RecordError("tensor name must not be empty")
-    # Percent-encoding keeps any name (even with '/') a single, reversible file name.
-    return urllib.parse.quote(name, safe="._-") + ".bin"
 
 
 def _tensor_bytes(data: torch.Tensor) -> bytes:
@@ -186,22 +196,53 @@ def _tensor_bytes(data: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-def _write_tensor(path: Path, rel: Path, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorInfo]:
-    """Write ``tensor`` under ``path / rel`` as raw bytes; its copy and index entry."""
-    data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-    raw = _tensor_bytes(data)
-    (path / rel).parent.mkdir(parents=True, exist_ok=True)
-    (path / rel).write_bytes(raw)
-    finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
-    info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel.as_posix(),
-                      nbytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
-    return data, info
+class _StepFiles:
+    """Appends each tensor's raw bytes to its step's file (``steps/0000.bin``), keeping the file
+    of the step being written open: a run writes its steps in order, a tensor at a time."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._open: tuple[str, Any] | None = None  # (relative path, binary file open for append)
+
+    def write(self, step: int, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorInfo]:
+        """Write ``tensor``'s raw bytes at the end of ``step``'s file; its copy and index entry."""
+        data = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        raw = _tensor_bytes(data)
+        rel = f"steps/{step:04d}.bin"
+        if self._open is None or self._open[0] != rel:
+            self.close()
+            (self.root / "steps").mkdir(exist_ok=True)
+            self._open = (rel, open(self.root / rel, "ab"))
+        fh = self._open[1]
+        offset = fh.tell()
+        fh.write(raw)
+        finite = bool(torch.isfinite(data).all()) if data.is_floating_point() or data.is_complex() else True
+        info = TensorInfo(shape=tuple(data.shape), dtype=str(data.dtype), finite=finite, file=rel,
+                          nbytes=len(raw), sha256=hashlib.sha256(raw).hexdigest(), offset=offset)
+        return data, info
+
+    def flush(self) -> None:
+        if self._open is not None:
+            self._open[1].flush()
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+
+def _read_raw(root: Path, info: TensorInfo) -> bytes:
+    """The tensor's bytes as found on disk (shorter than ``info.nbytes`` where the file was cut)."""
+    with open(root / info.file, "rb") as fh:
+        fh.seek(info.offset)
+        return fh.read(info.nbytes) if info.nbytes >= 0 else fh.read()
 
 
 def _read_tensor(root: Path, info: TensorInfo) -> torch.Tensor:
-    raw = (root / info.file).read_bytes()
+    raw = _read_raw(root, info)
     if info.nbytes >= 0 and len(raw) != info.nbytes:
-        raise RecordError(f"{root / info.file}: {len(raw)} bytes where the record wrote {info.nbytes} (truncated or replaced)")
+        raise RecordError(f"{root / info.file}: {len(raw)} bytes at offset {info.offset} where the record wrote "
+                          f"{info.nbytes} (truncated or replaced)")
     dtype = dtype_from_str(info.dtype)
     if not raw:
         return torch.empty(info.shape, dtype=dtype)
@@ -318,11 +359,11 @@ class Record:
     def tensor(self, step: int, kind: str, name: str) -> torch.Tensor:
         """Load one tensor (on CPU). Each call returns a tensor of its own: callers may change it."""
         info = self.info(step, kind, name)
-        cached = self._cache.get(info.file)
+        cached = self._cache.get(info.key)
         if cached is not None:
             return cached.clone()
         value = _read_tensor(self.path, info)
-        self._cache.put(info.file, value.clone())
+        self._cache.put(info.key, value.clone())
         return value
 
     def aux(self, step: int, key: str) -> torch.Tensor:
@@ -333,25 +374,31 @@ class Record:
         return _read_tensor(self.path, info)
 
     def verify(self) -> list[str]:
-        """What is wrong with the record's files: each tensor or auxiliary file that is missing,
-        of another length than written, or whose bytes' SHA-256 differs from the index (a
-        flipped byte); empty for a sound record. Reads every file once."""
+        """What is wrong with the record's files: each tensor or auxiliary tensor that is
+        missing, shorter than written, or whose bytes' SHA-256 differs from the index (a flipped
+        byte); empty for a sound record. Reads every step's file once."""
         problems = []
         for s in self.steps:
             infos = [*(i for entries in s.tensors.values() for i in entries.values()), *s.aux.values()]
+            files: dict[str, bytes | None] = {}
             for info in infos:
-                path = self.path / info.file
-                try:
-                    raw = path.read_bytes()
-                except OSError as exc:
-                    problems.append(f"{info.file}: missing ({type(exc).__name__})")
+                if info.file not in files:
+                    try:
+                        files[info.file] = (self.path / info.file).read_bytes()
+                    except OSError as exc:
+                        problems.append(f"{info.file}: missing ({type(exc).__name__})")
+                        files[info.file] = None
+                content = files[info.file]
+                if content is None:
                     continue
+                end = info.offset + info.nbytes if info.nbytes >= 0 else len(content)
+                raw = content[info.offset:end]
                 if info.nbytes >= 0 and len(raw) != info.nbytes:
-                    problems.append(f"{info.file}: {len(raw)} bytes, {info.nbytes} written (truncated)")
+                    problems.append(f"{info.where}: {len(raw)} bytes, {info.nbytes} written (truncated)")
                 elif info.sha256 and hashlib.sha256(raw).hexdigest() != info.sha256:
-                    problems.append(f"{info.file}: its bytes differ from those written (checksum mismatch)")
+                    problems.append(f"{info.where}: its bytes differ from those written (checksum mismatch)")
                 elif not info.sha256:
-                    problems.append(f"{info.file}: no checksum recorded")
+                    problems.append(f"{info.where}: no checksum recorded")
         return problems
 
     def iter_tensors(self, step: int, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -419,6 +466,7 @@ class RecordWriter:
         self._staging = self.path.parent / f".{self.path.name}.partial-{uuid.uuid4().hex[:8]}"
         self._staging.mkdir()
         self._steps: dict[int, StepRecord] = {}
+        self._files = _StepFiles(self._staging)
         self._written = _TensorCache()  # the newest written tensors, for the finished Record
         self._journaled: set[int] = set()  # steps already in the checkpoint journal
         self._done = False
@@ -442,11 +490,12 @@ class RecordWriter:
                 f"{type(tensor).__name__} (gather it first with harness.record.gather)"
             )
         entries = self.step(step).tensors.setdefault(kind, {})
+        _check_name(name)
         if name in entries:
             raise RecordError(f"{kind} {name!r} recorded twice at step {step}")
-        data, info = _write_tensor(self._staging, Path("steps") / f"{step:04d}" / kind / _file_name(name), tensor)
+        data, info = self._files.write(step, tensor)
         entries[name] = info
-        self._written.put(info.file, data)
+        self._written.put(info.key, data)
         return info
 
     def add_aux(self, step: int, key: str, tensor: torch.Tensor) -> TensorInfo:
@@ -458,9 +507,10 @@ class RecordWriter:
         if not isinstance(tensor, torch.Tensor) or is_dtensor(tensor):
             raise RecordError(f"auxiliary {key!r} at step {step}: a plain tensor is needed, got {type(tensor).__name__}")
         entries = self.step(step).aux
+        _check_name(key)
         if key in entries:
             raise RecordError(f"auxiliary tensor {key!r} recorded twice at step {step}")
-        _, info = _write_tensor(self._staging, Path("steps") / f"{step:04d}" / "aux" / _file_name(key), tensor)
+        _, info = self._files.write(step, tensor)
         entries[key] = info
         return info
 
@@ -472,6 +522,7 @@ class RecordWriter:
         rewrite of every step at every step made a 300-step run 80% checkpointing)."""
         if self._done:
             return
+        self._files.flush()  # the journal only names bytes that are in the files
         new = [i for i in sorted(self._steps) if i not in self._journaled]
         if new:
             with open(self._staging / STEP_JOURNAL, "a", encoding="utf-8") as fh:
@@ -490,6 +541,7 @@ class RecordWriter:
         if sorted(self._steps) != expected:
             raise RecordError(f"record {self.path}: steps {sorted(self._steps)} are not 0..n-1")
         steps = [self._steps[i] for i in expected]
+        self._files.close()
         meta = {**self.meta, "complete": complete, "steps": [s.to_json() for s in steps]}
         (self._staging / "meta.json").write_text(json.dumps(meta, indent=1, default=_json_default))
         if self.path.exists():
@@ -506,6 +558,7 @@ class RecordWriter:
     def abort(self) -> None:
         """Discard the staging directory (nothing is published)."""
         self._done = True
+        self._files.close()
         shutil.rmtree(self._staging, ignore_errors=True)
 
 

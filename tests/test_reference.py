@@ -355,9 +355,9 @@ def test_the_float64_rerun_runs_ops_without_a_float64_kernel_in_the_case_dtype(t
 
 
 def _damage(record_dir, how: str) -> str:
-    """Damage one tensor file of a cached record ``how``; returns which file."""
-    files = sorted((record_dir / "steps").rglob("*.bin"))
-    target = next(f for f in files if f.parent.name == "grad")
+    """Damage step 0's file of a cached record ``how`` (its first tensor for "flipped", its last
+    for "truncated", all of them for "deleted"); returns which file."""
+    target = record_dir / "steps" / "0000.bin"
     if how == "truncated":
         target.write_bytes(target.read_bytes()[:-3])
     elif how == "deleted":

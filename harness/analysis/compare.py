@@ -192,10 +192,23 @@ class CompareResult:
         return [t for t in self.tensors if not t.passed]
 
     def get(self, step: int, kind: str, name: str) -> TensorComparison:
-        for t in self.tensors:
-            if (t.step, t.kind, t.name) == (step, kind, name):
-                return t
-        raise KeyError(f"no comparison for {kind} {name!r} at step {step}")
+        # An index by (step, kind, name), extended as comparisons are appended: a long run's
+        # lookups (the sign-noise excuse asks one per parameter and step) stay O(1), not O(steps).
+        # It is not a field: to_dict and equality see the comparisons only.
+        key = (step, kind, name)
+        index: dict[tuple[int, str, str], int] = self.__dict__.setdefault("_index", {})
+        pos = index.get(key)
+        if pos is not None and (pos >= len(self.tensors) or _key(self.tensors[pos]) != key):
+            index.clear()  # the list was reordered or cut: index it again
+            pos = None
+        if pos is None:
+            for i in range(self.__dict__.get("_indexed", 0) if index else 0, len(self.tensors)):
+                index.setdefault(_key(self.tensors[i]), i)
+            self.__dict__["_indexed"] = len(self.tensors)
+            pos = index.get(key)
+        if pos is None:
+            raise KeyError(f"no comparison for {kind} {name!r} at step {step}")
+        return self.tensors[pos]
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -269,6 +282,10 @@ class CompareResult:
         div = self.first_divergence
         data["first_divergence"] = asdict(div) if div else None
         return jsonable(data)
+
+
+def _key(t: TensorComparison) -> tuple[int, str, str]:
+    return (t.step, t.kind, t.name)
 
 
 def trajectory_view(result: CompareResult) -> dict[str, Any]:
@@ -553,6 +570,7 @@ def compare(
     dtype = reference_dtype(reference)
     sign_uncertain_counts: dict[str, tuple[int, torch.Tensor]] = {}  # see adaptive_sign_noise
     for step in range(min(reference.num_steps, actual.num_steps)):
+        step_start = len(result.tensors)
         ref_s, act_s = reference.step(step), actual.step(step)
         issue = _id_issue(step, None, ref_s.sample_ids, act_s.sample_ids)
         if issue:
@@ -590,14 +608,17 @@ def compare(
                 result.tensors.append(
                     compare_tensors(actual.tensor(step, kind, name), expected, tol, step=step, kind=kind, name=name)
                 )
-        _excuse_sign_noise(reference, actual, result, step, sign_uncertain_counts)
+        _excuse_sign_noise(reference, actual, result, step, step_start, sign_uncertain_counts)
     return result
 
 
 def _excuse_sign_noise(
-    reference: Record, actual: Record, result: CompareResult, step: int, counts: dict[str, tuple[int, torch.Tensor]]
+    reference: Record, actual: Record, result: CompareResult, step: int, start: int,
+    counts: dict[str, tuple[int, torch.Tensor]],
 ) -> None:
-    for i, t in enumerate(result.tensors):
+    # This step's comparisons only (from ``start``): a long run's earlier steps are not walked again.
+    for i in range(start, len(result.tensors)):
+        t = result.tensors[i]
         if t.step != step or t.kind != "param" or t.passed:
             continue
         count = adaptive_sign_noise(reference, actual, result, t, counts)
