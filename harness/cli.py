@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run on N simulated ranks in this process (DTensor targets: tensor parallelism, replicate, "
                         "their meshes) instead of N real ones; without TARGET: the 8-rank mesh demo")
     d.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the case's)")
+    d.add_argument("--repeat", type=int, default=None, metavar="N",
+                   help="determinism gate: run N times, each on fresh ranks, and compare the runs bitwise per step, rank "
+                        "and tensor (default: the target's REPEAT, else 1)")
     d.add_argument("--json", metavar="PATH", help="write the JSON report here")
     d.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
     d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
@@ -151,7 +154,7 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
     report = diagnose_target(
         args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
         cache=args.cache, echo=_echo(args.quiet), tolerance=args.tolerance, comparison=args.comparison,
-        stall_window=args.stall_window,
+        stall_window=args.stall_window, repeat=args.repeat,
     )
     print(format_terminal(report, verbose=args.verbose))
     for line in _write_reports(report, args.json, args.html, args.trace):
@@ -217,7 +220,7 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
             else:
                 report = diagnose_target(name, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
                                          cache=args.cache, echo=echo, tolerance=args.tolerance, comparison=args.comparison,
-                                         stall_window=args.stall_window)
+                                         stall_window=args.stall_window, repeat=args.repeat)
             print(format_terminal(report, verbose=args.verbose), flush=True)
             _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
             verdict, codes = report.verdict.verdict, report.codes
@@ -288,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         return _usage(parser, f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     if args.steps is not None and args.steps < 1:
         return _usage(parser, f"--steps must be >= 1, got {args.steps}")
+    if args.repeat is not None and args.repeat < 1:
+        return _usage(parser, f"--repeat must be >= 1 (the runs compared bitwise), got {args.repeat}")
+    if args.repeat is not None and args.simulate is not None:
+        return _usage(parser, "--repeat runs real ranks afresh each time; it does not apply to --simulate")
     if args.target is None and (args.json or args.html or args.trace):
         return _usage(parser, "--json/--html/--trace need a TARGET; the demo writes every report under --out")
     for flag, path in (("--json", args.json), ("--html", args.html), ("--trace", args.trace)):

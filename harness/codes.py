@@ -34,6 +34,7 @@ CODES: dict[str, str] = {
     "state-structure": "missing / extra / renamed state-dict or optimizer-state entries",
     "per-replica-statistic": "the run computes a batch statistic per data-parallel replica (BatchNorm, router loss, per-replica normaliser): it matches the per-replica reference, not one device's",
     "numeric-mismatch": "a mismatch above tolerance that matches no pattern above",
+    "nondeterministic-run": "two runs of the same target on fresh ranks (same layout, threads, seeds) differ bitwise: the first step, rank and tensor are named with the pins",
 }
 
 

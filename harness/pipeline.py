@@ -399,21 +399,106 @@ def diagnose_target(
     tolerance: str = "auto",
     comparison: str = "stepwise",
     stall_window: float | None = None,
+    repeat: int | None = None,
 ) -> DiagnosisReport:
     """Diagnose ``target`` (see :mod:`harness.targets.target`) on ``nproc`` ranks (default: the
     target's NPROC, else 2) and return the report. ``timeout`` defaults to the target's
     TIMEOUT, else :data:`harness.settings.RUN_TIMEOUT_S`; ``stall_window`` to the target's
     STALL_WINDOW, else the runner's (see :meth:`~harness.launch.remote.RankRunner.run`). ``echo``
     receives progress lines. ``tolerance`` and ``comparison`` as
-    :func:`harness.run.compare_to_reference` takes them."""
-    from harness.analysis.failed_run import failure_report, left_behind, recorded_lines
+    :func:`harness.run.compare_to_reference` takes them. ``repeat`` (default: the target's
+    REPEAT, else 1): the number of runs, each on fresh ranks, compared bitwise with the first
+    (:mod:`harness.analysis.determinism`); the first run's report carries the outcome."""
     from harness.targets.bundled import load_target
 
-    say = echo or (lambda line: None)
     resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
     if resolved.layout is not None:
         raise TargetError(f"{resolved.name} is a layout check on simulated ranks, not a run on real ones: "
                           f"python -m harness diagnose {resolved.name} (or harness.simulate.layout.check_layout)")
+    runs = repeat if repeat is not None else (resolved.repeat or 1)
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise TargetError(f"repeat must be an int >= 1 (the runs compared bitwise), got {runs!r}")
+    options = dict(nproc=nproc, steps=steps, timeout=timeout, cache=cache, echo=echo, tolerance=tolerance,
+                   comparison=comparison, stall_window=stall_window)
+    if runs == 1:
+        return _diagnose_once(target, resolved, runner=runner, workdir=workdir, **options)
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-diagnose-"))
+    say = echo or (lambda line: None)
+    base = runner or RankRunner()
+    reports: list[DiagnosisReport] = []
+    try:
+        for i in range(runs):
+            say(f"repeat: run {i + 1} of {runs} on fresh ranks")
+            fresh = base.fresh()
+            try:
+                reports.append(_diagnose_once(target, resolved, runner=fresh, workdir=work / f"run-{i + 1}", **options))
+            finally:
+                fresh.close()
+            if reports[-1].verdict.verdict in ("hang", "error"):
+                break  # nothing to repeat: the run itself did not finish
+    finally:
+        if runner is None:
+            base.close()
+    report = _with_repeat(reports, runs)
+    report.workdir = str(work)
+    return report
+
+
+def _with_repeat(reports: list[DiagnosisReport], runs: int) -> DiagnosisReport:
+    """The first run's report with the determinism gate's outcome: every later run compared
+    with it bitwise; ``nondeterministic-run`` added on the first that differs."""
+    from reference.record import Record
+
+    from harness.analysis.determinism import compare_repeats
+    from harness.codes import verdict_for
+    from harness.tracing.run_trace import TRACE_FILE, load_trace
+
+    first = reports[0]
+    def record_of(report: DiagnosisReport) -> str | None:
+        return (report.comparison or {}).get("actual") or None
+
+    if len(reports) < runs or record_of(first) is None or any(record_of(r) is None for r in reports):
+        stopped = next((r for r in reports if r.verdict.verdict in ("hang", "error") or record_of(r) is None), first)
+        first.repeat = {"runs": runs, "skipped": f"run {reports.index(stopped) + 1} left no record to compare "
+                                                 f"(verdict {stopped.verdict.verdict})"}
+        return first
+    base = Record.load(record_of(first))  # type: ignore[arg-type]
+    base_trace = load_trace(Path(base.path) / TRACE_FILE)
+    outcome = None
+    for i, other in enumerate(reports[1:], 2):
+        record = Record.load(record_of(other))  # type: ignore[arg-type]
+        outcome = compare_repeats(base, record, base_trace, load_trace(Path(record.path) / TRACE_FILE))
+        if not outcome.identical:
+            break
+    assert outcome is not None
+    first.repeat = {"runs": runs, "workdirs": [r.workdir for r in reports], **outcome.to_dict(),
+                    "first_line": outcome.first.line() if outcome.first else ""}
+    found = outcome.diagnosis(runs)
+    if found is not None:
+        v = first.verdict
+        first.verdict = verdict_for([*v.diagnoses, found], passed=False, hang=v.verdict == "hang", error=v.error)
+    return first
+
+
+def _diagnose_once(
+    target: str,
+    resolved: Target,
+    *,
+    nproc: int | None,
+    steps: int | None,
+    runner: RankRunner | None,
+    timeout: float | None,
+    workdir: str | os.PathLike[str] | None,
+    cache: str | os.PathLike[str] | None,
+    echo: Callable[[str], None] | None,
+    tolerance: str,
+    comparison: str,
+    stall_window: float | None,
+) -> DiagnosisReport:
+    """One run of :func:`diagnose_target`."""
+    from harness.analysis.failed_run import failure_report, left_behind, recorded_lines
+
+    say = echo or (lambda line: None)
     world = nproc or resolved.nproc or 2
     case = resolved.case.with_steps(steps)
     work = str(workdir) if workdir is not None else tempfile.mkdtemp(prefix="harness-diagnose-")

@@ -147,14 +147,12 @@ def test_cli_diagnoses_a_file_target_and_writes_every_report(tmp_path) -> None:
 def test_the_demo_runs_every_target_and_checks_its_expected_code(rank_runner, reference_cache, tmp_path, monkeypatch, capsys) -> None:
     """The README's main job on a two-target slice of the catalogue (the full catalogue is
     covered target by target above)."""
-    import argparse
-
     from harness import cli
     from harness.targets import bundled
 
     monkeypatch.setattr(bundled, "demo_targets", lambda: [("summed_grads", "grad-not-averaged"), ("ddp", None)])
-    args = argparse.Namespace(out=str(tmp_path / "reports"), quiet=True, verbose=False, nproc=None, simulate=None, steps=None, timeout=None, cache=reference_cache,
-                              tolerance="auto", comparison="stepwise", stall_window=None)
+    # The CLI's own parser: every option the demo reads has its default.
+    args = cli._parser().parse_args(["diagnose", "--out", str(tmp_path / "reports"), "-q", "--cache", reference_cache])
     assert cli._demo(args, rank_runner) == 0
     out = capsys.readouterr().out
     assert "2/2 named as expected" in out

@@ -126,6 +126,14 @@ class RankRunner:
             stdout={r: res.stdout for r, res in outcome.results.items()},
         )
 
+    def fresh(self) -> "RankRunner":
+        """A runner of the same configuration with pools of its own: ranks that never ran
+        anything before (the determinism gate's runs). Close it when done."""
+        manager = PoolManager(self.manager.config, max_pools=1, start_method=self.manager.start_method)
+        runner = RankRunner(manager, backend=self.backend, device=self.device)
+        runner._own = True
+        return runner
+
     def close(self) -> None:
         if self._own:
             self.manager.close()

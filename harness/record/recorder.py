@@ -36,7 +36,7 @@ from reference.record import Record, RecordError, RecordWriter, optimizer_param_
 from reference.trainer import dropout_info
 
 from harness.parallel_dims import RankLayout
-from harness.record.gather import adopt_prefix_names, gather_state, reference_named_parameters
+from harness.record.gather import adopt_prefix_names, gather_state, local_state, reference_named_parameters, tensor_digest
 
 __all__ = ["RankLayout", "RankRecorder", "RecorderError"]
 
@@ -125,7 +125,10 @@ class RankRecorder:
 
         self.draw_log: DrawLog | None = DrawLog() if forward_draws_random_numbers(case) else None
         self._drawing = False
-        self.layouts: list[dict[str, Any]] = _all_gather_object({"rank": self.rank, **layout.to_json()})
+        # Each rank's local state's digests per step and kind (what a repeated run is compared by,
+        # harness.analysis.determinism), and the settings that make a run repeatable.
+        self._digests: dict[int, dict[str, dict[str, str]]] = {}
+        self.layouts: list[dict[str, Any]] = _all_gather_object({"rank": self.rank, **layout.to_json(), "pins": run_pins()})
         self.writer: RecordWriter | None = None
         if self.rank == dst:
             if path is None:
@@ -214,6 +217,9 @@ class RankRecorder:
     # -- internals ---------------------------------------------------------------------------
 
     def _record_kind(self, step: int, kind: str) -> None:
+        local = (self.reader.local_state(kind) if self.reader is not None
+                 else local_state(self.model, self.optimizer, kind, stages=self.layout.stages))
+        self._digests.setdefault(step, {})[kind] = {e.name: local_digest(e.tensor) for e in local}
         gathered = gather_state(
             self.model,
             self.optimizer,
@@ -222,7 +228,7 @@ class RankRecorder:
             stages=self.layout.stages,
             expected=self._expected if kind == "param" else None,
             check_replicas=self.check_replicas,
-            local=self.reader.local_state(kind) if self.reader is not None else None,
+            local=local,
         )
         for name, full in gathered:
             if self.writer is not None and full is not None:
@@ -254,6 +260,7 @@ class RankRecorder:
             "param_groups": self.reader.param_groups(names) if self.reader is not None else optimizer_param_groups(self.optimizer, names),
             "draws": [(d.to_json(), d.state) for d in draws],
             "draws_overflowed": overflowed,
+            "digests": self._digests.pop(step, {}),
         }
         self._write_step_info(step, _all_gather_object(mine))
 
@@ -268,6 +275,11 @@ class RankRecorder:
             return
         rec = self.writer.step(step)
         rec.rank_sample_ids = {r["rank"]: [ids for _, ids, _ in r["micro"]] for r in everyone}
+        # Bitwise, per rank: its micro-batch losses (float.hex) and its local state's digests.
+        rec.extra["rank_digests"] = {
+            r["rank"]: {"loss": [None if loss is None else float(loss).hex() for loss, _, _ in r["micro"]], **r.get("digests", {})}
+            for r in everyone
+        }
         holders = sorted((r for r in everyone if r["holds_loss"]), key=lambda r: (r["dp_rank"], r["rank"]))
         num_micro = max((len(r["micro"]) for r in holders), default=0)
         # Micro-batch m's loss: the replicas' pieces combined by what each is a mean over (its
@@ -299,6 +311,29 @@ class RankRecorder:
         if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
             rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}
         self.writer.checkpoint()  # a run killed later still leaves these steps readable
+
+
+def local_digest(tensor: torch.Tensor) -> str:
+    """The digest of a rank's own piece of a tensor: a DTensor's local shard, else the tensor."""
+    from reference.record import is_dtensor
+
+    return tensor_digest(tensor.to_local() if is_dtensor(tensor) else tensor)
+
+
+def run_pins() -> dict[str, Any]:
+    """What this rank runs with that decides whether a run repeats bitwise: threads, torch's
+    deterministic switches, the backend's version (seeds are the case's, in the record)."""
+    cudnn = torch.backends.cudnn
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+        "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else "",
+    }
 
 
 def _write_draws_of(writer: RecordWriter, step: int, everyone: list[dict[str, Any]]) -> None:

@@ -54,6 +54,9 @@ class DiagnosisReport:
     timing: dict[str, Any] = field(default_factory=dict)
     workdir: str = ""
     recorded: dict[str, Any] = field(default_factory=dict)  # what a failed run left on disk
+    # The determinism gate (--repeat N): what the runs on fresh ranks were compared by, the
+    # first difference, the pins (harness.analysis.determinism.RepeatComparison.to_dict).
+    repeat: dict[str, Any] = field(default_factory=dict)
 
     @property
     def diagnoses(self) -> list[Diagnosis]:
@@ -83,6 +86,7 @@ class DiagnosisReport:
                 "collectives": self.collectives,
                 "timing": self.timing,
                 "recorded": self.recorded,
+                "repeat": self.repeat,
             }
         )
 

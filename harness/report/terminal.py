@@ -54,6 +54,7 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
     lines += [f"  note: {n}" for n in shown]
     if len(notes) > len(shown):
         lines.append(f"  ... {len(notes) - len(shown)} more notes (--verbose, or the JSON report's comparison.notes)")
+    lines += _repeat_lines(report.repeat)
     if v.verdict == "error" and v.error:
         lines.append(f"  error: {v.error.splitlines()[0]}")
     recorded = getattr(report, "recorded", None) or {}
@@ -65,3 +66,21 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         text = v.error if verbose else "\n".join(v.error.splitlines()[:40])
         lines += ["  launcher report:"] + ["    " + line for line in text.splitlines()]
     return "\n".join(lines)
+
+
+def _repeat_lines(repeat: dict) -> list[str]:
+    """The determinism gate's outcome and the pins the runs shared."""
+    if not repeat:
+        return []
+    if repeat.get("skipped"):
+        return [f"  repeat: not compared ({repeat['skipped']})"]
+    compared = ", ".join(f"{n} {what}" for what, n in (repeat.get("compared") or {}).items())
+    head = ("bitwise identical" if repeat.get("identical")
+            else f"{repeat.get('differences')} differences, the first: {repeat.get('first_line', '')}")
+    pins = repeat.get("pins") or {}
+    shown = ", ".join(f"{k} {pins[k]}" for k in ("seed", "world_size", "threads", "deterministic_algorithms", "backend") if k in pins)
+    lines = [f"  repeat: {repeat.get('runs', 2)} runs on fresh ranks {head} ({compared} compared)",
+             f"  pins: {shown}"]
+    if repeat.get("pins_differ"):
+        lines.append(f"  pins that differed between the runs: {', '.join(repeat['pins_differ'])}")
+    return lines

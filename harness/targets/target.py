@@ -16,6 +16,7 @@ A target file defines::
     NPROC = 2                          # optional: the world size it needs
     TIMEOUT = 30                       # optional: the deadline in seconds (a run still going is stopped)
     STALL_WINDOW = 3                   # optional: seconds without progress on every rank that count as hung
+    REPEAT = 2                         # optional: run it this many times on fresh ranks, compared bitwise
     EXPECTED_CODE = "grad-scaled"      # optional: what its diagnosis must name (cases/bugs)
 
 or, for a custom training loop (see :mod:`harness.record.custom`)::
@@ -61,6 +62,7 @@ class Target:
     timeout: float | None = None  # the run's deadline in seconds (TIMEOUT in the file)
     # Seconds in which no running rank makes progress that name the run hung (STALL_WINDOW).
     stall_window: float | None = None
+    repeat: int | None = None  # runs on fresh ranks compared bitwise (REPEAT; harness.analysis.determinism)
     expected_code: str | None = None
     source: str = ""  # the module file it came from
     description: str = ""
@@ -204,6 +206,9 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     if stall_window is not None and (isinstance(stall_window, bool) or not isinstance(stall_window, (int, float))
                                      or not (stall_window > 0 and math.isfinite(stall_window))):
         raise TargetError(f"{where}: STALL_WINDOW must be a finite number of seconds > 0, got {stall_window!r}")
+    repeat = getattr(module, "REPEAT", None)
+    if repeat is not None and (isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1):
+        raise TargetError(f"{where}: REPEAT must be an int >= 1 (the runs compared bitwise), got {repeat!r}")
     doc = (module.__doc__ or "").strip().splitlines()
     return Target(
         name=label or Path(getattr(module, "__file__", module.__name__)).stem + (f":{name}" if name else ""),
@@ -213,6 +218,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
         nproc=nproc,
         timeout=float(timeout) if timeout is not None else None,
         stall_window=float(stall_window) if stall_window is not None else None,
+        repeat=repeat,
         expected_code=getattr(module, "EXPECTED_CODE", None),
         source=getattr(module, "__file__", "") or "",
         description=doc[0] if doc else "",
