@@ -140,7 +140,7 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
     base = Path(workdir) if workdir is not None else (Path(tempfile.mkdtemp(prefix="harness-run-")) if is_dst else None)
     record_dir = base / f"custom-{case.name}-w{ctx.world_size}" if base is not None else None
     tracer = Tracer(name=f"custom-{case.name}")
-    run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer)
+    run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer, digests=run_options.get("digests", False))
     case.seed_training()
     try:
         # Active while the loop runs, so a hang dump can tell the harness's collectives apart.
@@ -336,6 +336,7 @@ def diagnose_on_rank(
     dst: int = 0,
     tolerance: str = "auto",
     comparison: str = "stepwise",
+    digests: bool = False,
 ) -> DiagnosisReport | None:
     """Rank body of :func:`diagnose_target` (collective): the target resolved on the rank, the
     reference trained first on ``dst`` (its own phase in the progress lines), then
@@ -360,7 +361,7 @@ def diagnose_on_rank(
     if target.strategy is not None:
         progress = _ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps)
     run = diagnose_on_ranks(target, ctx, steps=steps, dst=dst, strategy=progress, workdir=workdir, cache=cache,
-                            tolerance=tolerance, comparison=comparison)
+                            tolerance=tolerance, comparison=comparison, digests=digests)
     if run.report is not None:
         run.report.timing["phases"] = {"reference_s": reference_s, **run.report.timing.get("phases", {})}
     return run.report
@@ -431,7 +432,8 @@ def diagnose_target(
             say(f"repeat: run {i + 1} of {runs} on fresh ranks")
             fresh = base.fresh()
             try:
-                reports.append(_diagnose_once(target, resolved, runner=fresh, workdir=work / f"run-{i + 1}", **options))
+                reports.append(_diagnose_once(target, resolved, runner=fresh, workdir=work / f"run-{i + 1}", digests=True,
+                                              **options))
             finally:
                 fresh.close()
             if reports[-1].verdict.verdict in ("hang", "error"):
@@ -494,8 +496,9 @@ def _diagnose_once(
     tolerance: str,
     comparison: str,
     stall_window: float | None,
+    digests: bool = False,
 ) -> DiagnosisReport:
-    """One run of :func:`diagnose_target`."""
+    """One run of :func:`diagnose_target` (``digests``: record each rank's state bitwise)."""
     from harness.analysis.failed_run import failure_report, left_behind, recorded_lines
 
     say = echo or (lambda line: None)
@@ -516,6 +519,7 @@ def _diagnose_once(
             diagnose_on_rank, nproc=world, timeout=timeout or resolved.timeout or settings.RUN_TIMEOUT_S,
             stall_window=stall_window if stall_window is not None else resolved.stall_window,
             kwargs={"target_spec": target, "steps": steps, "workdir": work, "tolerance": tolerance, "comparison": comparison,
+                    "digests": digests,
                     "cache": str(cache) if cache is not None else None, "progress_path": progress_path},
         )
         report = result.values.get(0)

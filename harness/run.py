@@ -87,6 +87,7 @@ def train_strategy(
     dst: int = 0,
     check_replicas: bool = True,
     trace: bool = True,
+    digests: bool = False,
 ) -> Record | None:
     """Collective: train ``case`` with ``strategy`` on every rank, recording each step.
     Returns the record on ``dst`` (which needs ``record_path``), None elsewhere.
@@ -105,7 +106,7 @@ def train_strategy(
         tracer.set_phase("harness")
     recorder = RankRecorder(
         record_path if ctx.rank == dst else None, case, setup.model, setup.optimizer, setup.layout,
-        source=f"strategy:{strategy.name}", dst=dst, check_replicas=check_replicas, overwrite=True,
+        source=f"strategy:{strategy.name}", dst=dst, check_replicas=check_replicas, overwrite=True, digests=digests,
     )
     case.seed_training()
     try:
@@ -330,6 +331,7 @@ def run_strategy(
     dst: int = 0,
     trace: bool = True,
     comparison: str = "stepwise",
+    digests: bool = False,
 ) -> RunResult:
     """Collective: train ``strategy`` on every rank, train (or load) the reference on ``dst``,
     compare them there (``comparison``: see :func:`compare_to_reference`), and return the
@@ -337,7 +339,8 @@ def run_strategy(
 
     ``workdir`` receives the parallel record (default: a new temporary directory); ``cache``
     holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``);
-    ``trace`` writes every rank's trace beside the record (``RunResult.trace_path``)."""
+    ``trace`` writes every rank's trace beside the record (``RunResult.trace_path``);
+    ``digests`` records each rank's local state bitwise (the determinism gate's evidence)."""
     case = case.with_steps(steps)
     check_comparison_mode(comparison)
     if not isinstance(strategy, Strategy):
@@ -350,7 +353,7 @@ def run_strategy(
     if ctx.rank == dst or workdir is not None:  # every rank that knows it can save its trace part
         base = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
         record_path = base / f"{strategy.name}-{case.name}-w{ctx.world_size}"
-    record = train_strategy(case, strategy, ctx, record_path, dst=dst, trace=trace)
+    record = train_strategy(case, strategy, ctx, record_path, dst=dst, trace=trace, digests=digests)
     payload: tuple[str, object] = ("ok", None)
     error: BaseException | None = None
     if ctx.rank == dst:

@@ -82,18 +82,23 @@ def test_a_correct_target_repeats_bitwise_on_fresh_ranks(rank_runner, reference_
     # record, the collective order.
     assert all(repeat["compared"][what] > 0 for what in ("loss", "samples", "local-state", "gathered-state", "collectives"))
     assert repeat["pins"]["world_size"] == 2 and "threads" in repeat["pins"]
+    from harness.report import format_terminal, render_html
+
+    assert "repeat: 2 runs on fresh ranks bitwise identical" in format_terminal(report)
+    html = render_html(report)
+    assert "Repeated runs, bitwise" in html and "bitwise identical" in html
 
 
 def test_an_unseeded_random_op_on_one_rank_is_named_at_that_ranks_first_loss(rank_runner, reference_cache, tmp_path) -> None:
     path = LOOPS / "unseeded_noise_on_one_rank.py"
     bug = diagnose_target(str(path), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "bug", repeat=2)
-    assert "nondeterministic-run" in bug.codes, bug.verdict.to_dict()
+    assert "nondeterministic-run" in bug.codes, (bug.verdict.to_dict(), bug.repeat)
     found = next(d for d in bug.diagnoses if d.code == "nondeterministic-run")
     first = found.evidence["first_difference"]
     assert (first["what"], first["step"], first["rank"]) == ("loss", 0, 1), first
     assert found.evidence["pins"]["seed"] == 0 and "deterministic_algorithms" in found.evidence["pins"]
     ok = diagnose_target(f"{path}:seeded", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok", repeat=2)
-    assert ok.verdict.verdict == "pass" and ok.repeat["identical"], ok.verdict.to_dict()
+    assert ok.verdict.verdict == "pass" and ok.repeat["identical"], (ok.verdict.to_dict(), ok.repeat)
 
 
 def test_a_repeat_that_is_not_a_positive_count_is_refused() -> None:
@@ -101,3 +106,21 @@ def test_a_repeat_that_is_not_a_positive_count_is_refused() -> None:
 
     with pytest.raises(TargetError, match="repeat must be an int >= 1"):
         diagnose_target("ddp", repeat=0)
+
+
+def test_the_collective_order_is_compared_by_what_was_asked_not_where_it_was_filed(tmp_path) -> None:
+    from harness.tracing.records import CollectiveRecord
+    from harness.tracing.run_trace import RankTrace, RunTrace
+
+    def trace(reduce_op: str, step_of_second: int) -> RunTrace:
+        ops = [CollectiveRecord(rank=1, index=0, op="allreduce", group="0", group_ranks=[0, 1], shapes=[[2]], reduce_op="sum", step=0),
+               CollectiveRecord(rank=1, index=1, op="allreduce", group="0", group_ranks=[0, 1], shapes=[[2]], reduce_op=reduce_op,
+                                step=step_of_second)]
+        return RunTrace(ranks={1: RankTrace(rank=1, world_size=2, collectives=ops)})
+
+    a, b = _record(tmp_path / "a"), _record(tmp_path / "b")
+    assert compare_repeats(a, b, trace("sum", 0), trace("sum", 1)).identical  # filed under another step only
+    outcome = compare_repeats(a, b, trace("sum", 0), trace("avg", 0))
+    first = outcome.first
+    assert (first.what, first.rank, first.name, first.step) == ("collectives", 1, "op #1", 0), first
+    assert outcome.compared["collectives"] == 2

@@ -114,10 +114,13 @@ def pin_report(record: Record) -> dict[str, Any]:
 
 
 def _trace_ops(trace: Any) -> dict[int, list[tuple[Any, ...]]]:
+    """Per rank, (step, op) in issue order; the op is what the program asked for (name, group,
+    shapes, dtypes, reduction, peer). The step only says where: which step an op is filed
+    under can depend on when Flight Recorder's entry is matched, so it is not compared."""
     if trace is None:
         return {}
     return {
-        rank: [(c.step, c.op, c.group_desc or c.group, tuple(c.group_ranks or ()), str(c.shapes), str(c.dtypes), c.reduce_op, c.peer)
+        rank: [(c.step, (c.op, c.group_desc or c.group, tuple(c.group_ranks or ()), str(c.shapes), str(c.dtypes), c.reduce_op, c.peer))
                for c in t.events(include_harness=True)]
         for rank, t in trace.ranks.items()
     }
@@ -168,10 +171,10 @@ def compare_repeats(first: Record, second: Record, first_trace: Any = None, seco
         for i in range(max(len(la), len(lb))):
             oa = la[i] if i < len(la) else None
             ob = lb[i] if i < len(lb) else None
-            if oa != ob:
+            if (oa and oa[1]) != (ob and ob[1]):
                 step = (oa or ob)[0]
                 out.differences.append(RepeatDifference("collectives", step, rank, name=f"op #{i}",
-                                                        first=oa[1:] if oa else None, second=ob[1:] if ob else None))
+                                                        first=oa[1] if oa else None, second=ob[1] if ob else None))
                 break  # the rest of the rank's order follows from the first change
     out.compared = counts
     out.differences.sort(key=_order)

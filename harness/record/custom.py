@@ -60,8 +60,10 @@ class CustomRun:
     :meth:`loss`, :meth:`batches` and :meth:`shard`)."""
 
     def __init__(
-        self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0, tracer: Any = None
+        self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0, tracer: Any = None,
+        digests: bool = False,
     ):
+        self.digests = digests  # RankRecorder's: each rank's local state bitwise, for --repeat
         self.tracer = tracer  # a harness.tracing.Tracer: samples, groups and collectives of the loop
         self._traced_step: int | None = None
         self.case = case
@@ -140,7 +142,7 @@ class CustomRun:
         with self._harness_phase():
             self.recorder = RankRecorder(
                 self.record_path if self.ctx.rank == self.dst else None, self.case, model, optimizer, self.layout,
-                source="custom", dst=self.dst, overwrite=True, reader=reader,
+                source="custom", dst=self.dst, overwrite=True, reader=reader, digests=self.digests,
             )
         self._build_layout_groups()
         if hook_step:

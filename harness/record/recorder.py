@@ -94,7 +94,11 @@ class RankRecorder:
         overwrite: bool = False,
         meta: Mapping[str, Any] | None = None,
         reader: Any = None,
+        digests: bool = False,
     ):
+        """``digests``: also record, per step and rank, each local tensor's digest and the
+        rank's losses bitwise (what the determinism gate compares; off by default: it costs
+        a tenth more JSON per step in a record)."""
         self.case = case
         self.reader = reader  # a harness.record.frameworks.StateReader: the framework's own state
         self.model = model
@@ -127,7 +131,7 @@ class RankRecorder:
         self._drawing = False
         # Each rank's local state's digests per step and kind (what a repeated run is compared by,
         # harness.analysis.determinism), and the settings that make a run repeatable.
-        self._digests: dict[int, dict[str, dict[str, str]]] = {}
+        self._digests: dict[int, dict[str, dict[str, str]]] | None = {} if digests else None
         self.layouts: list[dict[str, Any]] = _all_gather_object({"rank": self.rank, **layout.to_json(), "pins": run_pins()})
         self.writer: RecordWriter | None = None
         if self.rank == dst:
@@ -219,7 +223,8 @@ class RankRecorder:
     def _record_kind(self, step: int, kind: str) -> None:
         local = (self.reader.local_state(kind) if self.reader is not None
                  else local_state(self.model, self.optimizer, kind, stages=self.layout.stages))
-        self._digests.setdefault(step, {})[kind] = {e.name: local_digest(e.tensor) for e in local}
+        if self._digests is not None:
+            self._digests.setdefault(step, {})[kind] = {e.name: local_digest(e.tensor) for e in local}
         gathered = gather_state(
             self.model,
             self.optimizer,
@@ -260,7 +265,7 @@ class RankRecorder:
             "param_groups": self.reader.param_groups(names) if self.reader is not None else optimizer_param_groups(self.optimizer, names),
             "draws": [(d.to_json(), d.state) for d in draws],
             "draws_overflowed": overflowed,
-            "digests": self._digests.pop(step, {}),
+            "digests": self._digests.pop(step, {}) if self._digests is not None else None,
         }
         self._write_step_info(step, _all_gather_object(mine))
 
@@ -275,11 +280,12 @@ class RankRecorder:
             return
         rec = self.writer.step(step)
         rec.rank_sample_ids = {r["rank"]: [ids for _, ids, _ in r["micro"]] for r in everyone}
-        # Bitwise, per rank: its micro-batch losses (float.hex) and its local state's digests.
-        rec.extra["rank_digests"] = {
-            r["rank"]: {"loss": [None if loss is None else float(loss).hex() for loss, _, _ in r["micro"]], **r.get("digests", {})}
-            for r in everyone
-        }
+        if everyone[0].get("digests") is not None:
+            # Bitwise, per rank: its micro-batch losses (float.hex) and its local state's digests.
+            rec.extra["rank_digests"] = {
+                r["rank"]: {"loss": [None if loss is None else float(loss).hex() for loss, _, _ in r["micro"]], **r["digests"]}
+                for r in everyone
+            }
         holders = sorted((r for r in everyone if r["holds_loss"]), key=lambda r: (r["dp_rank"], r["rank"]))
         num_micro = max((len(r["micro"]) for r in holders), default=0)
         # Micro-batch m's loss: the replicas' pieces combined by what each is a mean over (its

@@ -132,6 +132,23 @@ def _how_compared(report: DiagnosisReport) -> str:
     return "".join(parts) or "<p class='muted'>no comparison</p>"
 
 
+def _repeat(report: DiagnosisReport) -> str:
+    """The determinism gate (--repeat): the outcome, what was compared, the pins, the first
+    differences."""
+    repeat = report.repeat
+    if repeat.get("skipped"):
+        return f"<p class='muted'>not compared: {_e(repeat['skipped'])}</p>"
+    head = ("bitwise identical" if repeat.get("identical")
+            else f"{_e(repeat.get('differences'))} differences; the first: {_e(repeat.get('first_line', ''))}")
+    compared = ", ".join(f"{_e(n)} {_e(what)}" for what, n in (repeat.get("compared") or {}).items())
+    pins = repeat.get("pins") or {}
+    rows = "".join(f"<tr><td>{_e(k)}</td><td class='code'>{_e(v)}</td></tr>" for k, v in pins.items())
+    differ = (f"<p>pins that differed between the runs: {_e(', '.join(repeat['pins_differ']))}</p>"
+              if repeat.get("pins_differ") else "")
+    return (f"<p>{_e(repeat.get('runs', 2))} runs on fresh ranks: {head}</p><p>compared: {compared}</p>{differ}"
+            f"<table><tr><th>pin</th><th>value</th></tr>{rows}</table>")
+
+
 def _num(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) else _e(x)
 
@@ -249,6 +266,8 @@ def render_html(report: DiagnosisReport) -> str:
         ("Mesh", _mesh_table(report)),
         ("Collective timeline", _timeline(report)),
     ]
+    if report.repeat:
+        sections.insert(1, ("Repeated runs, bitwise", _repeat(report)))
     body = "".join(f"<h2>{_e(name)}</h2>{content}" for name, content in sections)
     meta = (
         f"{_e(t['strategy'])} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case <span class='code'>{_e(t['case'])}</span>, {t['steps']} steps"

@@ -23,7 +23,10 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
                       "summary": [{"step", "group", "op", "count", "bytes"}]} | null,
       "timing": {"elapsed_s": float, "phases": {"reference_s", "ranks_s", "calibration_s", "replay_s", "comparison_s", "trajectory_view_s", "diagnosis_s": float}},
       "recorded": {"records": [{"path", "complete", "steps"}], "trace_parts": [path],
-                   "unfinished": [path]}   # a failed or hung run: what it left, and where
+                   "unfinished": [path]},  # a failed or hung run: what it left, and where
+      "repeat": {"runs", "identical", "steps", "ranks", "compared": {what: int}, "first_difference":
+                 {"what", "step", "rank", "kind", "name", "first", "second"} | null, "differences": int,
+                 "pins": {...}, "pins_differ": [pin], "workdirs": [dir]} | {"runs", "skipped"} | {}  # --repeat N
     }
 """
 
