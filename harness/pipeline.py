@@ -459,7 +459,7 @@ def _with_repeat(reports: list[DiagnosisReport], runs: int) -> DiagnosisReport:
     def record_of(report: DiagnosisReport) -> str | None:
         return (report.comparison or {}).get("actual") or None
 
-    if len(reports) < runs or record_of(first) is None or any(record_of(r) is None for r in reports):
+    if len(reports) < runs or any(record_of(r) is None for r in reports):
         stopped = next((r for r in reports if r.verdict.verdict in ("hang", "error") or record_of(r) is None), first)
         first.repeat = {"runs": runs, "skipped": f"run {reports.index(stopped) + 1} left no record to compare "
                                                  f"(verdict {stopped.verdict.verdict})"}
@@ -467,7 +467,7 @@ def _with_repeat(reports: list[DiagnosisReport], runs: int) -> DiagnosisReport:
     base = Record.load(record_of(first))  # type: ignore[arg-type]
     base_trace = load_trace(Path(base.path) / TRACE_FILE)
     outcome = None
-    for i, other in enumerate(reports[1:], 2):
+    for other in reports[1:]:
         record = Record.load(record_of(other))  # type: ignore[arg-type]
         outcome = compare_repeats(base, record, base_trace, load_trace(Path(record.path) / TRACE_FILE))
         if not outcome.identical:

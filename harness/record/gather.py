@@ -355,6 +355,11 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
+def local_digest(t: torch.Tensor) -> str:
+    """The digest of a rank's own piece of a tensor: a DTensor's local shard, else the tensor."""
+    return tensor_digest(t.to_local() if is_dtensor(t) else t)
+
+
 def _describe(entry: LocalTensor, check_replicas: bool) -> dict[str, Any]:
     """What other ranks need to know about one local entry (sent with all_gather_object).
 

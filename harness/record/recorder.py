@@ -36,7 +36,7 @@ from reference.record import Record, RecordError, RecordWriter, optimizer_param_
 from reference.trainer import dropout_info
 
 from harness.parallel_dims import RankLayout
-from harness.record.gather import adopt_prefix_names, gather_state, local_state, reference_named_parameters, tensor_digest
+from harness.record.gather import adopt_prefix_names, gather_state, local_digest, local_state, reference_named_parameters
 
 __all__ = ["RankLayout", "RankRecorder", "RecorderError"]
 
@@ -317,13 +317,6 @@ class RankRecorder:
         if any(len(g) != len(everyone[0]["param_groups"]) for g in (r["param_groups"] for r in everyone)):
             rec.extra["param_group_count_mismatch"] = {r["rank"]: len(r["param_groups"]) for r in everyone}
         self.writer.checkpoint()  # a run killed later still leaves these steps readable
-
-
-def local_digest(tensor: torch.Tensor) -> str:
-    """The digest of a rank's own piece of a tensor: a DTensor's local shard, else the tensor."""
-    from reference.record import is_dtensor
-
-    return tensor_digest(tensor.to_local() if is_dtensor(tensor) else tensor)
 
 
 def run_pins() -> dict[str, Any]:
