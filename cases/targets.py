@@ -16,6 +16,7 @@ from .strategies.fsdp import FSDPStrategy
 from .strategies.hybrid import DDPTensorParallelStrategy, FSDPTensorParallelStrategy
 from .strategies.manual_tp import ManualTensorParallel
 from .strategies.pipeline import PipelineStrategy
+from .strategies.plain import PlainStrategy
 from .strategies.tp import TensorParallelStrategy
 
 __all__ = ["DEMO_CORRECT", "TARGETS"]
@@ -74,6 +75,16 @@ def _dp_pp() -> Target:
                   description="2-D mesh dp=2 x pp=2: GPipe stages, FSDP2 over each stage's replicas")
 
 
+def _plain() -> Target:
+    return Target("plain", transformer_case(), PlainStrategy(), nproc=1,
+                  description="the plain model on one process (what a sharded checkpoint is loaded back into)")
+
+
+def _fsdp_resume_tp() -> Target:
+    return Target("fsdp-resume-tp", transformer_case(), FSDPStrategy(), nproc=2, resume_at=2, resume_into="tp",
+                  description="FSDP2 on 2 ranks checkpointed before step 2 (DCP), resumed as tensor parallelism on 2 fresh ranks")
+
+
 def _custom_example() -> Target:
     from harness.targets.target import target_from_module
 
@@ -95,8 +106,10 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "dp-tp": _dp_tp,
     "fsdp-tp": _fsdp_tp,
     "dp-pp": _dp_pp,
+    "plain": _plain,
+    "fsdp-resume-tp": _fsdp_resume_tp,
     **MESH_TARGETS,
     **LAYOUT_TARGETS,
 }
 
-DEMO_CORRECT: list[str] = ["ddp", "ddp-accumulation", "fsdp", "tp", "tp-dropout", "gpipe", "1f1b", "manual-tp", "custom-example", "fsdp-tp"]
+DEMO_CORRECT: list[str] = ["ddp", "ddp-accumulation", "fsdp", "tp", "tp-dropout", "gpipe", "1f1b", "manual-tp", "custom-example", "fsdp-tp", "fsdp-resume-tp"]

@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--repeat", type=int, default=None, metavar="N",
                    help="determinism gate: run N times, each on fresh ranks, and compare the runs bitwise per step, rank "
                         "and tensor (default: the target's REPEAT, else 1)")
+    d.add_argument("--resume-at", type=int, default=None, metavar="K",
+                   help="resume check: save a checkpoint after step K-1, load it on fresh ranks, train K..end; the load "
+                        "is compared bitwise with what was saved, the continuation with the uninterrupted run "
+                        "(default: the target's RESUME_AT)")
+    d.add_argument("--resume-into", default=None, metavar="TARGET2",
+                   help="with --resume-at: load the checkpoint into TARGET2 (another strategy or world size) instead")
+    d.add_argument("--resume-nproc", type=int, default=None, metavar="N",
+                   help="with --resume-at: ranks of the resumed run (default: TARGET2's NPROC, else --nproc)")
     d.add_argument("--json", metavar="PATH", help="write the JSON report here")
     d.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
     d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
@@ -155,6 +163,7 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
         args.target, nproc=args.nproc, steps=args.steps, runner=runner, timeout=args.timeout,
         cache=args.cache, echo=_echo(args.quiet), tolerance=args.tolerance, comparison=args.comparison,
         stall_window=args.stall_window, repeat=args.repeat,
+        resume_at=args.resume_at, resume_into=args.resume_into, resume_nproc=args.resume_nproc,
     )
     print(format_terminal(report, verbose=args.verbose))
     for line in _write_reports(report, args.json, args.html, args.trace):
@@ -295,6 +304,19 @@ def main(argv: list[str] | None = None) -> int:
         return _usage(parser, f"--repeat must be >= 1 (the runs compared bitwise), got {args.repeat}")
     if args.repeat is not None and args.simulate is not None:
         return _usage(parser, "--repeat runs real ranks afresh each time; it does not apply to --simulate")
+    if args.resume_at is not None and args.resume_at < 1:
+        return _usage(parser, f"--resume-at must be >= 1 (the checkpoint is saved after step K-1), got {args.resume_at}")
+    if (args.resume_into is not None or args.resume_nproc is not None) and args.resume_at is None:
+        return _usage(parser, "--resume-into / --resume-nproc need --resume-at K")
+    if args.resume_at is not None and (args.simulate is not None or args.repeat is not None or args.target is None):
+        return _usage(parser, "--resume-at checks one TARGET on real ranks; it does not combine with --simulate, --repeat or the demo")
+    if args.resume_nproc is not None:
+        from harness.launch.pool import check_world_size
+
+        try:
+            check_world_size(args.resume_nproc)
+        except ValueError as exc:
+            return _usage(parser, f"--resume-nproc: {exc}")
     if args.target is None and (args.json or args.html or args.trace):
         return _usage(parser, "--json/--html/--trace need a TARGET; the demo writes every report under --out")
     for flag, path in (("--json", args.json), ("--html", args.html), ("--trace", args.trace)):

@@ -35,6 +35,14 @@ CODES: dict[str, str] = {
     "per-replica-statistic": "the run computes a batch statistic per data-parallel replica (BatchNorm, router loss, per-replica normaliser): it matches the per-replica reference, not one device's",
     "numeric-mismatch": "a mismatch above tolerance that matches no pattern above",
     "nondeterministic-run": "two runs of the same target on fresh ranks (same layout, threads, seeds) differ bitwise: the first step, rank and tensor are named with the pins",
+    "resume-state-missing": "after loading a checkpoint, parameters or optimizer state that were saved are absent (the optimizer or a module not loaded)",
+    "resume-step-reset": "after loading a checkpoint, the optimizer's step counters are below the saved ones (bias correction starts over)",
+    "resume-scheduler-not-restored": "after loading a checkpoint, the lr scheduler's state differs from the saved one (its epoch or lr back at the start)",
+    "resume-rng-not-restored": "after loading a checkpoint, a rank's RNG state differs from the one it saved (its first resumed draw differs)",
+    "resume-data-position-lost": "the first resumed step re-uses samples the run consumed before the checkpoint (the data position was not restored)",
+    "resume-chunks-permuted": "a loaded tensor equals the saved one up to a permutation of its shard chunks (resharded in the wrong order)",
+    "resume-value-differs": "a loaded tensor or hyperparameter differs from the saved one otherwise",
+    "resume-continuation-departs": "the load was exact but the resumed run departs from the uninterrupted one (bitwise on the same layout, beyond the stepwise tolerance on another)",
 }
 
 

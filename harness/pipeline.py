@@ -54,9 +54,14 @@ class DiagnosedRun:
     report: DiagnosisReport | None = None
     findings: list[Diagnosis] = field(default_factory=list)
     error: str = ""
+    # A resumed run (a CheckpointPlan with resume=True): the load gate and the continuation
+    # (harness.analysis.resume.ResumeCheck), on dst; it is then the verdict.
+    resume: Any = None
 
     @property
     def passed(self) -> bool:
+        if self.resume is not None:
+            return self.resume.passed and not self.findings
         return self.result is not None and self.result.passed and not self.findings
 
 
@@ -208,12 +213,24 @@ def diagnose_on_ranks(
     case = target.case.with_steps(steps)
     out = DiagnosedRun(result=None)
     strategy = strategy if strategy is not None else target.strategy
+    checkpoint = run_options.get("checkpoint")
     if strategy is not None:
         record_path, trace_path, probe = _train_strategy(target, case, strategy, ctx, dst, run_options, out)
     elif target.train is not None:
+        if checkpoint is not None:
+            raise TargetError(f"{target.name} is a custom loop: the checkpoint and resume check runs strategies "
+                              "(their state through torch.distributed.checkpoint); custom loops are not supported yet")
         record_path, trace_path, probe = _train_custom(target, case, ctx, dst, run_options, out)
     else:
         raise TargetError(f"{target.name} has neither a strategy nor a train(ctx, run) loop to run on ranks")
+    if ctx.rank == dst and checkpoint is not None and checkpoint.resume and out.result is not None:
+        from reference.record import Record
+
+        from harness.analysis.resume import check_resume
+
+        out.resume = check_resume(Record.load(checkpoint.saved_record), Record.load(out.result.record_path), checkpoint.path,
+                                  comparison=out.result.comparison)
+        out.resume.into = target.name
     if ctx.rank != dst or (out.passed and not report_on_pass):
         return out
     result = out.result
@@ -223,6 +240,11 @@ def diagnose_on_ranks(
         record_path=record_path, trace_path=trace_path, cache=run_options.get("cache"), findings=out.findings,
         probe=probe, error=out.error, elapsed_s=time.monotonic() - started,
     )
+    if out.resume is not None:  # the resumed run is judged by the gate and the continuation
+        from harness.codes import verdict_for
+
+        out.report.resume = {**out.resume.to_dict(), "checkpoint": checkpoint.path, "lines": out.resume.lines()}
+        out.report.verdict = verdict_for([*out.findings, *out.resume.diagnoses()], passed=out.resume.passed)
     # Where the time went: the ranks' training and recording, the comparison's phases, the
     # diagnosis and report (tests/bench/bench_long_runs.py reads these).
     compared = dict(getattr(result.comparison, "timing", {}) if result is not None else {})
@@ -337,15 +359,20 @@ def diagnose_on_rank(
     tolerance: str = "auto",
     comparison: str = "stepwise",
     digests: bool = False,
+    checkpoint: dict[str, Any] | None = None,
 ) -> DiagnosisReport | None:
     """Rank body of :func:`diagnose_target` (collective): the target resolved on the rank, the
     reference trained first on ``dst`` (its own phase in the progress lines), then
-    :func:`diagnose_on_ranks`; the report on ``dst``, None elsewhere."""
+    :func:`diagnose_on_ranks`; the report on ``dst``, None elsewhere. ``checkpoint``: a
+    :class:`~harness.record.checkpoint.CheckpointPlan`'s fields (save one, or resume from one)."""
     import torch.distributed as dist
 
     from reference.cache import cached_reference
 
+    from harness.record.checkpoint import CheckpointPlan
     from harness.targets.bundled import load_target
+
+    plan = CheckpointPlan(**checkpoint) if checkpoint is not None else None
 
     target = load_target(target_spec)
     case = target.case.with_steps(steps)
@@ -360,8 +387,11 @@ def diagnose_on_rank(
     progress = None
     if target.strategy is not None:
         progress = _ProgressStrategy(target.strategy, progress_path if is_dst else None, case.steps)
+        if plan is not None and plan.resume:
+            progress.done = plan.at  # the steps before came from the checkpoint
     run = diagnose_on_ranks(target, ctx, steps=steps, dst=dst, strategy=progress, workdir=workdir, cache=cache,
-                            tolerance=tolerance, comparison=comparison, digests=digests)
+                            tolerance=tolerance, comparison=comparison, digests=digests,
+                            **({"checkpoint": plan} if plan is not None else {}))
     if run.report is not None:
         run.report.timing["phases"] = {"reference_s": reference_s, **run.report.timing.get("phases", {})}
     return run.report
@@ -401,6 +431,9 @@ def diagnose_target(
     comparison: str = "stepwise",
     stall_window: float | None = None,
     repeat: int | None = None,
+    resume_at: int | None = None,
+    resume_into: str | None = None,
+    resume_nproc: int | None = None,
 ) -> DiagnosisReport:
     """Diagnose ``target`` (see :mod:`harness.targets.target`) on ``nproc`` ranks (default: the
     target's NPROC, else 2) and return the report. ``timeout`` defaults to the target's
@@ -409,7 +442,11 @@ def diagnose_target(
     receives progress lines. ``tolerance`` and ``comparison`` as
     :func:`harness.run.compare_to_reference` takes them. ``repeat`` (default: the target's
     REPEAT, else 1): the number of runs, each on fresh ranks, compared bitwise with the first
-    (:mod:`harness.analysis.determinism`); the first run's report carries the outcome."""
+    (:mod:`harness.analysis.determinism`); the first run's report carries the outcome.
+    ``resume_at`` K: the run saves a checkpoint after step K-1 and goes on to the end; fresh
+    ranks then load it into ``resume_into`` (default: the same target) on ``resume_nproc``
+    ranks (default: that target's NPROC, else the same number) and train steps K..end; the
+    load gate and the continuation (:mod:`harness.analysis.resume`) join the first run's report."""
     from harness.targets.bundled import load_target
 
     resolved: Target = load_target(target)  # fail fast, in this process, on a bad target
@@ -421,6 +458,15 @@ def diagnose_target(
         raise TargetError(f"repeat must be an int >= 1 (the runs compared bitwise), got {runs!r}")
     options = dict(nproc=nproc, steps=steps, timeout=timeout, cache=cache, echo=echo, tolerance=tolerance,
                    comparison=comparison, stall_window=stall_window)
+    if resume_at is None and resolved.resume_at is not None:
+        resume_at, resume_into, resume_nproc = resolved.resume_at, resume_into or resolved.resume_into, resume_nproc or resolved.resume_nproc
+    if resume_at is not None:
+        if runs > 1:
+            raise TargetError("repeat and resume_at check one thing each: run them one at a time")
+        return _diagnose_resume(target, resolved, at=resume_at, into=resume_into, into_nproc=resume_nproc, runner=runner,
+                                workdir=workdir, **options)
+    if resume_into is not None or resume_nproc is not None:
+        raise TargetError("resume_into / resume_nproc need resume_at (the step the checkpoint is taken before)")
     if runs == 1:
         return _diagnose_once(target, resolved, runner=runner, workdir=workdir, **options)
     work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-diagnose-"))
@@ -444,6 +490,68 @@ def diagnose_target(
     report = _with_repeat(reports, runs)
     report.workdir = str(work)
     return report
+
+
+def _diagnose_resume(target: str, resolved: Target, *, at: int, into: str | None, into_nproc: int | None,
+                     runner: RankRunner | None, workdir: str | os.PathLike[str] | None, **options: Any) -> DiagnosisReport:
+    """The resume check of :func:`diagnose_target`: the saving run, then the resumed run on
+    fresh ranks; the first run's report with the resumed run's ``resume`` section and codes."""
+    from harness.codes import verdict_for
+    from harness.record.checkpoint import MANIFEST
+    from harness.targets.bundled import load_target
+
+    say = options.get("echo") or (lambda line: None)
+    into_target = resolved if into is None else load_target(into)
+    case = resolved.case.with_steps(options.get("steps"))
+    for t in (resolved, into_target):
+        if t.strategy is None:
+            raise TargetError(f"{t.name} is not a strategy target: the resume check saves and loads strategies' state "
+                              "through torch.distributed.checkpoint (custom loops are not supported yet)")
+    if into_target.case.with_steps(options.get("steps")).describe() != case.describe():
+        raise TargetError(f"{into_target.name} trains case {into_target.case.name!r}, {resolved.name} case {case.name!r}: "
+                          "a checkpoint resumes the same training problem; pick a target of the same case")
+    if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < case.steps:
+        raise TargetError(f"resume at step {at!r}: allowed 1..{case.steps - 1} for a {case.steps}-step run "
+                          "(the checkpoint is saved after step at-1; the resumed run trains at..end)")
+    world = options.get("nproc") or resolved.nproc or 2
+    world_into = into_nproc or (into_target.nproc if into is not None else None) or world
+    work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-resume-"))
+    checkpoint = work / "checkpoint"
+    base = runner or RankRunner()
+    try:
+        say(f"resume: run 1 trains {resolved.name} to the end on {world} ranks, saving a checkpoint after step {at - 1}")
+        first = _diagnose_once(target, resolved, runner=base, workdir=work / "saved",
+                               checkpoint={"path": str(checkpoint), "at": at}, **options)
+        saved = (first.comparison or {}).get("actual")
+        if first.verdict.verdict in ("hang", "error") or not saved or not (checkpoint / MANIFEST).is_file():
+            first.resume = {"at": at, "skipped": f"the saving run left no {'checkpoint' if saved else 'record'} "
+                                                 f"(verdict {first.verdict.verdict})"}
+            first.workdir = str(work)
+            return first
+        say(f"resume: run 2 loads it into {into_target.name} on {world_into} fresh ranks and trains steps {at}..{case.steps - 1}")
+        fresh = base.fresh()
+        try:
+            second = _diagnose_once(into or target, into_target, runner=fresh, workdir=work / "resumed",
+                                    checkpoint={"path": str(checkpoint), "at": at, "resume": True, "saved_record": saved},
+                                    **{**options, "nproc": world_into})
+        finally:
+            fresh.close()
+    finally:
+        if runner is None:
+            base.close()
+    v = first.verdict
+    if second.resume:
+        first.resume = second.resume
+        first.verdict = verdict_for([*v.diagnoses, *second.verdict.diagnoses], passed=v.verdict == "pass" and second.resume["passed"],
+                                    error=v.error)
+    else:  # the resumed run itself failed: a checkpoint that does not load is the finding, shown as it failed
+        reason = (second.verdict.error or "").strip().splitlines()
+        first.resume = {"at": at, "skipped": f"the resumed run ended {second.verdict.verdict}"
+                                             + (f": {reason[-1]}" if reason else ""), "resumed_workdir": second.workdir}
+        first.verdict = verdict_for([*v.diagnoses, *second.verdict.diagnoses], passed=False,
+                                    hang=second.verdict.verdict == "hang", error=second.verdict.error or v.error)
+    first.workdir = str(work)
+    return first
 
 
 def _with_repeat(reports: list[DiagnosisReport], runs: int) -> DiagnosisReport:
@@ -497,8 +605,10 @@ def _diagnose_once(
     comparison: str,
     stall_window: float | None,
     digests: bool = False,
+    checkpoint: dict[str, Any] | None = None,
 ) -> DiagnosisReport:
-    """One run of :func:`diagnose_target` (``digests``: record each rank's state bitwise)."""
+    """One run of :func:`diagnose_target` (``digests``: record each rank's state bitwise;
+    ``checkpoint``: save or resume from one, :func:`diagnose_on_rank`)."""
     from harness.analysis.failed_run import failure_report, left_behind, recorded_lines
 
     say = echo or (lambda line: None)
@@ -519,7 +629,7 @@ def _diagnose_once(
             diagnose_on_rank, nproc=world, timeout=timeout or resolved.timeout or settings.RUN_TIMEOUT_S,
             stall_window=stall_window if stall_window is not None else resolved.stall_window,
             kwargs={"target_spec": target, "steps": steps, "workdir": work, "tolerance": tolerance, "comparison": comparison,
-                    "digests": digests,
+                    "digests": digests, "checkpoint": checkpoint,
                     "cache": str(cache) if cache is not None else None, "progress_path": progress_path},
         )
         report = result.values.get(0)

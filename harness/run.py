@@ -27,6 +27,7 @@ from harness.context import broadcast_object
 from harness.settings import COMPARISON_MODES, TOLERANCE_MODES
 from harness.analysis.failed_run import note_finished
 from harness.analysis.compare import CompareResult, compare, proposed_renaming, trajectory_view
+from harness.record.checkpoint import CheckpointPlan, load_checkpoint, save_checkpoint
 from harness.record.recorder import RankRecorder
 from harness.strategy import DistContextLike, Strategy
 from harness.analysis.tolerance import DefaultTolerances, TolerancePolicy, calibrate
@@ -88,9 +89,14 @@ def train_strategy(
     check_replicas: bool = True,
     trace: bool = True,
     digests: bool = False,
+    checkpoint: CheckpointPlan | None = None,
 ) -> Record | None:
     """Collective: train ``case`` with ``strategy`` on every rank, recording each step.
     Returns the record on ``dst`` (which needs ``record_path``), None elsewhere.
+
+    ``checkpoint`` (:class:`~harness.record.checkpoint.CheckpointPlan`): save a checkpoint after
+    step ``at - 1``, or resume from one: load it right after setup (the RNG comes from it, not
+    from the case seed), record the loaded state as step ``at - 1`` and train ``at`` .. end.
 
     With ``trace`` (default) every rank's collectives, groups, parameter shapes and samples
     are traced (:mod:`harness.tracing`) and written to ``<record>/trace.json``; when training
@@ -101,19 +107,39 @@ def train_strategy(
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
     tracer = Tracer(name=f"{strategy.name}-{case.name}") if trace else None
     setup = strategy.setup(case, ctx)
+    setup.start_lr_scheduler(case)
     if tracer is not None:
         tracer.describe(layout=setup.layout, model=setup.model, state=setup.state)
         tracer.set_phase("harness")
+    if checkpoint is not None and not 0 < checkpoint.at < case.steps:
+        raise RunError(f"a checkpoint at step {checkpoint.at} of a {case.steps}-step run: allowed 1..{case.steps - 1} "
+                       "(saved after step at-1, the run goes on from step at)")
+    loaded = None
+    if checkpoint is not None and checkpoint.resume:
+        loaded = load_checkpoint(checkpoint.path, case, strategy, setup)
     recorder = RankRecorder(
         record_path if ctx.rank == dst else None, case, setup.model, setup.optimizer, setup.layout,
         source=f"strategy:{strategy.name}", dst=dst, check_replicas=check_replicas, overwrite=True, digests=digests,
+        meta={"checkpoint": checkpoint.to_json()} if checkpoint is not None else None,
     )
-    case.seed_training()
+    start = 0
+    if loaded is not None:
+        assert checkpoint is not None
+        start = checkpoint.at
+        same_ranks = loaded.saved_world == ctx.world_size and _saved_layouts(checkpoint) == [
+            {k: v for k, v in r.items() if k != "pins"} for r in recorder.layouts]
+        recorder.resumed(Record.load(checkpoint.saved_record) if ctx.rank == dst and checkpoint.saved_record else None,
+                         start, loaded, same_ranks=same_ranks)
+    else:
+        case.seed_training()
     try:
         # Active while training, so a hang dump can tell the harness's own collectives apart.
         with tracer if tracer is not None else contextlib.nullcontext():
-            for step in range(case.steps):
+            for step in range(start, case.steps):
                 _train_step(case, strategy, setup, recorder, tracer, step)
+                if checkpoint is not None and not checkpoint.resume and step + 1 == checkpoint.at:
+                    with tracer.phase("harness") if tracer is not None else contextlib.nullcontext():
+                        save_checkpoint(checkpoint.path, case, strategy, setup, at=checkpoint.at)
     except BaseException:
         recorder.finish(complete=False)  # keep what was recorded
         if tracer is not None and record_path is not None:
@@ -128,6 +154,17 @@ def train_strategy(
         if run_trace is not None and record is not None:
             run_trace.save(Path(record.path) / TRACE_FILE)
     return record
+
+
+def _saved_layouts(checkpoint: CheckpointPlan) -> list[dict[str, Any]] | None:
+    """The saving run's rank layouts (from its record), without the pins."""
+    if not checkpoint.saved_record:
+        return None
+    try:
+        meta = Record.load(checkpoint.saved_record).meta
+    except Exception:  # noqa: BLE001 - then the ranks are not known to be the same
+        return None
+    return [{k: v for k, v in r.items() if k != "pins"} for r in meta.get("ranks", [])]
 
 
 def check_comparison_mode(comparison: str) -> str:
@@ -174,6 +211,7 @@ def _train_step(case: Case, strategy: Strategy, setup: Any, recorder: RankRecord
     with harness_phase():
         recorder.grads(step)
     strategy.optimizer_step(case, setup)
+    setup.step_lr_scheduler()
     with harness_phase():
         recorder.after_step(step)
     setup.optimizer.zero_grad(set_to_none=True)
@@ -332,6 +370,7 @@ def run_strategy(
     trace: bool = True,
     comparison: str = "stepwise",
     digests: bool = False,
+    checkpoint: CheckpointPlan | None = None,
 ) -> RunResult:
     """Collective: train ``strategy`` on every rank, train (or load) the reference on ``dst``,
     compare them there (``comparison``: see :func:`compare_to_reference`), and return the
@@ -340,7 +379,8 @@ def run_strategy(
     ``workdir`` receives the parallel record (default: a new temporary directory); ``cache``
     holds reference records (default ``$HARNESS_CACHE_DIR`` or ``./.harness_cache``);
     ``trace`` writes every rank's trace beside the record (``RunResult.trace_path``);
-    ``digests`` records each rank's local state bitwise (the determinism gate's evidence)."""
+    ``digests`` records each rank's local state bitwise (the determinism gate's evidence);
+    ``checkpoint`` saves or resumes from a checkpoint (:func:`train_strategy`)."""
     case = case.with_steps(steps)
     check_comparison_mode(comparison)
     if not isinstance(strategy, Strategy):
@@ -353,7 +393,7 @@ def run_strategy(
     if ctx.rank == dst or workdir is not None:  # every rank that knows it can save its trace part
         base = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="harness-run-"))
         record_path = base / f"{strategy.name}-{case.name}-w{ctx.world_size}"
-    record = train_strategy(case, strategy, ctx, record_path, dst=dst, trace=trace, digests=digests)
+    record = train_strategy(case, strategy, ctx, record_path, dst=dst, trace=trace, digests=digests, checkpoint=checkpoint)
     payload: tuple[str, object] = ("ok", None)
     error: BaseException | None = None
     if ctx.rank == dst:

@@ -48,6 +48,19 @@ class RankSetup:
     layout: RankLayout
     device: torch.device
     state: dict[str, Any] = field(default_factory=dict)
+    # The case's lr schedule over ``optimizer`` (the harness builds it after setup when the
+    # case has one and the strategy did not; it is stepped after every optimizer step).
+    lr_scheduler: Any = None
+
+    def start_lr_scheduler(self, case: Case) -> None:
+        """Build the case's lr scheduler over ``optimizer`` unless the strategy built its own."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = case.build_lr_scheduler(self.optimizer)
+
+    def step_lr_scheduler(self) -> None:
+        """After the optimizer step: the lr of the next step."""
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     @classmethod
     def on_mesh(cls, case: Case, ctx: DistContextLike, model: nn.Module, dims: Any, mesh: Any, **state: Any) -> RankSetup:
@@ -152,6 +165,20 @@ class StrategyBase:
 
     def optimizer_step(self, case: Case, setup: RankSetup) -> None:
         setup.optimizer.step()
+
+    def checkpoint_state(self, case: Case, setup: RankSetup) -> dict[str, Any]:
+        """What a checkpoint of this rank holds: ``{"model", "optim"}`` (saved and resharded by
+        DCP) and ``{"rank": {...}}`` (this rank's own: RNG, lr scheduler; a strategy that keeps
+        a data position adds it here), see :mod:`harness.record.checkpoint`."""
+        from harness.record.checkpoint import default_checkpoint_state
+
+        return default_checkpoint_state(case, setup)
+
+    def load_checkpoint_state(self, case: Case, setup: RankSetup, state: dict[str, Any]) -> None:
+        """Apply a loaded :meth:`checkpoint_state` to this freshly set-up rank."""
+        from harness.record.checkpoint import load_default_checkpoint_state
+
+        load_default_checkpoint_state(case, setup, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

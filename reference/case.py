@@ -259,6 +259,10 @@ class Case:
     # per-replica token mean): the contract is then each replica's micro-batches computed on
     # their own and combined as the layout combines them (see README, "per-replica statistics").
     per_replica: tuple[str, ...] = ()
+    # The learning-rate schedule: ``lr_scheduler_factory(optimizer)`` builds a
+    # ``torch.optim.lr_scheduler`` stepped once after every optimizer step (None: a constant lr).
+    # Every trainer steps it the same way, and a checkpoint holds its state.
+    lr_scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -433,6 +437,8 @@ class Case:
             "seed": self.seed,
             "dtype": str(self.dtype),
             "shuffle": self.shuffle,
+            # Only when set, so the cache keys of cases without a schedule stay what they were.
+            **({"lr_scheduler_factory": callable_name(self.lr_scheduler_factory)} if self.lr_scheduler_factory is not None else {}),
         }
 
     def replace(self, **changes: Any) -> "Case":
@@ -479,6 +485,19 @@ class Case:
                 "expected torch.optim.Optimizer"
             )
         return opt
+
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The case's learning-rate scheduler over ``optimizer`` (None without
+        ``lr_scheduler_factory``); step it once after every optimizer step."""
+        if self.lr_scheduler_factory is None:
+            return None
+        scheduler = self.lr_scheduler_factory(optimizer)
+        if not callable(getattr(scheduler, "step", None)) or not callable(getattr(scheduler, "state_dict", None)):
+            raise CaseError(
+                f"case {self.name!r}: lr_scheduler_factory returned {type(scheduler).__name__}, "
+                "expected a torch.optim.lr_scheduler.LRScheduler (with step() and state_dict())"
+            )
+        return scheduler
 
     def check_model_factory(self) -> None:
         """Raise :class:`CaseError` when two seeded builds differ (the strategy's ranks would

@@ -514,6 +514,27 @@ class RecordWriter:
         entries[key] = info
         return info
 
+    def copy_step(self, source: "Record", step: int, *, kinds: tuple[str, ...] = KINDS, per_rank: bool = True) -> StepRecord:
+        """Copy ``step`` of ``source`` into this record: its losses, sample ids, hyperparameters and
+        the tensors of ``kinds``; with ``per_rank`` also what its ranks recorded of themselves
+        (per-rank sample ids, extras, auxiliary tensors), which only means something when this
+        record's ranks are the source's."""
+        src = source.step(step)
+        rec = self.step(step)
+        rec.loss, rec.micro_losses = src.loss, list(src.micro_losses)
+        rec.sample_ids, rec.micro_sample_ids = list(src.sample_ids), [list(m) for m in src.micro_sample_ids]
+        rec.param_groups = [dict(g) for g in src.param_groups]
+        for kind in kinds:
+            for name in src.names(kind):
+                self.add_tensor(step, kind, name, source.tensor(step, kind, name))
+        if per_rank:
+            rec.rank_sample_ids = {int(r): [list(m) for m in v] for r, v in src.rank_sample_ids.items()}
+            rec.extra.update(src.extra)
+            for key in src.aux:
+                self.add_aux(step, key, source.aux(step, key))
+        rec.extra["copied_from"] = str(source.path)
+        return rec
+
     def checkpoint(self) -> None:
         """Publish the steps recorded so far in the staging folder (``complete: false``), so a
         run killed before :meth:`finish` still leaves a readable record there. Each step is

@@ -158,7 +158,7 @@ def replay_reference(
         _load_grads(training, source, step)
         if step > 0:
             _load_optimizer_state(training, source, step - 1)
-        training.optimizer.step()
+        training.optimizer_step()  # the replay's own schedule: the lr of this step is the case's
         training.record_update(step, rec)
 
     return training.train(step_from_source, min(case.steps, source.num_steps))

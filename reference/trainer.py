@@ -150,6 +150,7 @@ class _Training:
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
         self.draw_replay: Any = None  # a reference.draws.DrawReplay while a step replays a run's draws
+        self.lr_scheduler = case.build_lr_scheduler(optimizer)  # stepped after each optimizer step
 
     @classmethod
     def open(
@@ -204,8 +205,14 @@ class _Training:
         self.forward_backward(step, rec)
         self.case.clip_gradients(self.model.parameters())
         self.record_grads(step)
-        self.optimizer.step()
+        self.optimizer_step()
         self.record_update(step, rec)
+
+    def optimizer_step(self) -> None:
+        """The optimizer step, then the case's lr schedule (the lr of the next step)."""
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     def forward_backward(self, step: int, rec: Any) -> None:
         """Forward and backward over the step's micro-batches; records losses and sample ids.

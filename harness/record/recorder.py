@@ -204,6 +204,37 @@ class RankRecorder:
         self._record_kind(step, "optim")
         self._record_step_info(step)
 
+    def resumed(self, saved: Record | None, at: int, loaded: Any, *, same_ranks: bool) -> None:
+        """Collective, right after a checkpoint was loaded into a run that continues at step ``at``:
+        on ``dst`` the steps before ``at`` are copied from ``saved`` (the saving run's record, so the
+        resumed record has every step and the stepwise comparison starts step ``at`` from it), except
+        step ``at - 1``'s parameters and optimizer state: those are this run's, gathered now, right
+        after the load - what the load gate compares with ``saved`` bitwise. Every rank's view of its
+        own loaded state (``loaded``: a :class:`harness.record.checkpoint.LoadedCheckpoint`) goes into
+        the record's ``meta["resume"]``. ``same_ranks``: the ranks are the saving run's (same world
+        size and layout), so its per-rank entries are copied too."""
+        names = {}
+        for module in self._modules():
+            names.update({id(p): n for n, p in reference_named_parameters(module)})
+        everyone = _all_gather_object({"rank": self.rank, "view": loaded.view, "not_transferable": loaded.not_transferable,
+                                       "param_groups": optimizer_param_groups(self.optimizer, names)})
+        if self.writer is not None:
+            assert saved is not None
+            if saved.num_steps < at:
+                raise RecorderError(f"the saved record {saved.path} has {saved.num_steps} steps; the resume at step {at} needs {at}")
+            for step in range(at - 1):
+                self.writer.copy_step(saved, step, per_rank=same_ranks)
+            last = self.writer.copy_step(saved, at - 1, kinds=("grad",), per_rank=False)
+            if same_ranks:
+                last.rank_sample_ids = {int(r): [list(m) for m in v] for r, v in saved.step(at - 1).rank_sample_ids.items()}
+            last.param_groups = _merge_param_groups([r.pop("param_groups") for r in everyone])  # the loaded ones
+            self.writer.meta["resume"] = {"at": at, "saved_record": str(saved.path), "saved_world": loaded.saved_world,
+                                          "same_ranks": same_ranks, "ranks": everyone}
+        self._phase[at - 1] = "grads"
+        self._record_kind(at - 1, "param")
+        self._record_kind(at - 1, "optim")
+        self._phase[at - 1] = "done"
+
     def finish(self, *, complete: bool = True) -> Record | None:
         """Local: publish the record on ``dst`` (returns it there, None elsewhere). Call with
         ``complete=False`` after a failure: what was recorded is kept."""

@@ -132,6 +132,30 @@ def _how_compared(report: DiagnosisReport) -> str:
     return "".join(parts) or "<p class='muted'>no comparison</p>"
 
 
+def _resume(report: DiagnosisReport) -> str:
+    """The resume check (--resume-at): each load-gate difference a row, then what did not
+    transfer to the resumed layout and the continuation."""
+    resume = report.resume
+    if resume.get("skipped"):
+        return f"<p class='muted'>not checked: {_e(resume['skipped'])}</p>"
+    into = resume.get("into") or {}
+    head = (f"<p>saved after step {_e(resume.get('at', 0) - 1)} on {_e(resume.get('saved_world'))} ranks, loaded into "
+            f"<span class='code'>{_e(into.get('target', ''))}</span> on {_e(resume.get('world'))} ranks "
+            f"({'the same layout' if resume.get('same_layout') else 'another layout'}): load gate "
+            f"{'exact' if resume.get('load_exact') else 'differs'}; compared "
+            + _e(", ".join(f"{n} {k}" for k, n in (resume.get("compared") or {}).items())) + "</p>")
+    rows = "".join(f"<tr><td class='code'>{_e(d['code'])}</td><td>{_e(d['line'])}</td></tr>" for d in resume.get("gate") or [])
+    table = f"<table><tr><th>code</th><th>difference</th></tr>{rows}</table>" if rows else ""
+    lost = "".join(f"<li>not transferable to {_e(n['world'])} ranks: {_e(n['state'])} ({_e(n['why'])})</li>"
+                   for n in resume.get("not_transferable") or [])
+    cont = resume.get("continuation") or {}
+    first = cont.get("first_difference")
+    cont_line = (f"<p>continuation ({_e(cont.get('compared'))}): "
+                 + (f"departs at step {_e(first['step'])}: {_e(first['what'])}" if first
+                    else f"steps {_e(resume.get('at'))}..{_e(cont.get('last_step'))} agree") + "</p>") if cont else ""
+    return head + table + (f"<ul>{lost}</ul>" if lost else "") + cont_line
+
+
 def _repeat(report: DiagnosisReport) -> str:
     """The determinism gate (--repeat): the outcome, what was compared, the pins, the first
     differences."""
@@ -268,6 +292,8 @@ def render_html(report: DiagnosisReport) -> str:
     ]
     if report.repeat:
         sections.insert(1, ("Repeated runs, bitwise", _repeat(report)))
+    if report.resume:
+        sections.insert(1, ("Resumed from a checkpoint", _resume(report)))
     body = "".join(f"<h2>{_e(name)}</h2>{content}" for name, content in sections)
     meta = (
         f"{_e(t['strategy'])} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case <span class='code'>{_e(t['case'])}</span>, {t['steps']} steps"

@@ -26,7 +26,12 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
                    "unfinished": [path]},  # a failed or hung run: what it left, and where
       "repeat": {"runs", "identical", "steps", "ranks", "compared": {what: int}, "first_difference":
                  {"what", "step", "rank", "kind", "name", "first", "second"} | null, "differences": int,
-                 "pins": {...}, "pins_differ": [pin], "workdirs": [dir]} | {"runs", "skipped"} | {}  # --repeat N
+                 "pins": {...}, "pins_differ": [pin], "workdirs": [dir]} | {"runs", "skipped"} | {},  # --repeat N
+      "resume": {"at", "into": {"target", "nproc"}, "saved_record", "resumed_record", "checkpoint", "same_layout",
+                 "saved_world", "world", "load_exact", "passed", "compared": {what: int},
+                 "gate": [{"code", "what", "name", "rank", "detail", "line"}], "not_transferable":
+                 [{"state", "saved_world", "world", "why"}], "continuation": {"compared", "last_step",
+                 "first_difference": {"step", "what", ...} | absent}, "lines": [str]} | {"at", "skipped"} | {}  # --resume-at K
     }
 """
 
@@ -60,6 +65,9 @@ class DiagnosisReport:
     # The determinism gate (--repeat N): what the runs on fresh ranks were compared by, the
     # first difference, the pins (harness.analysis.determinism.RepeatComparison.to_dict).
     repeat: dict[str, Any] = field(default_factory=dict)
+    # The resume check (--resume-at K): the load gate's differences, what could not be carried
+    # to the resumed layout, the continuation (harness.analysis.resume.ResumeCheck.to_dict).
+    resume: dict[str, Any] = field(default_factory=dict)
 
     @property
     def diagnoses(self) -> list[Diagnosis]:
@@ -90,6 +98,7 @@ class DiagnosisReport:
                 "timing": self.timing,
                 "recorded": self.recorded,
                 "repeat": self.repeat,
+                "resume": self.resume,
             }
         )
 

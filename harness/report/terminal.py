@@ -55,6 +55,7 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
     if len(notes) > len(shown):
         lines.append(f"  ... {len(notes) - len(shown)} more notes (--verbose, or the JSON report's comparison.notes)")
     lines += _repeat_lines(report.repeat)
+    lines += _resume_lines(report.resume)
     if v.verdict == "error" and v.error:
         lines.append(f"  error: {v.error.splitlines()[0]}")
     recorded = getattr(report, "recorded", None) or {}
@@ -66,6 +67,15 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         text = v.error if verbose else "\n".join(v.error.splitlines()[:40])
         lines += ["  launcher report:"] + ["    " + line for line in text.splitlines()]
     return "\n".join(lines)
+
+
+def _resume_lines(resume: dict) -> list[str]:
+    """The resume check: the load gate, what did not transfer, the continuation."""
+    if not resume:
+        return []
+    if resume.get("skipped"):
+        return [f"  resume: not checked ({resume['skipped']})"]
+    return [f"  {line}" for line in resume.get("lines") or []]
 
 
 def _repeat_lines(repeat: dict) -> list[str]:

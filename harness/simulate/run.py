@@ -113,6 +113,7 @@ def simulate_strategy(
                     raise  # the user's own error, shown as theirs
                 raise failed from exc
             check_setup(strategy.name, setup)
+            setup.start_lr_scheduler(case)
             dims = setup.state["dims"]
             dims.check_world(world_size)
             layouts = {r: dims.layout(r) for r in world.ranks}
@@ -141,6 +142,7 @@ def simulate_strategy(
                     recorder.grads(step)
                     log.phase = "train"
                     strategy.optimizer_step(case, setup)
+                    setup.step_lr_scheduler()
                     log.phase = "harness"
                     recorder.after_step(step)
                     setup.optimizer.zero_grad(set_to_none=True)

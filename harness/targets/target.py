@@ -17,6 +17,8 @@ A target file defines::
     TIMEOUT = 30                       # optional: the deadline in seconds (a run still going is stopped)
     STALL_WINDOW = 3                   # optional: seconds without progress on every rank that count as hung
     REPEAT = 2                         # optional: run it this many times on fresh ranks, compared bitwise
+    RESUME_AT = 2                      # optional: save a checkpoint before step 2, resume it on fresh ranks
+    RESUME_INTO = "tp"                 # optional (with RESUME_AT): resume into this target (RESUME_NPROC ranks)
     EXPECTED_CODE = "grad-scaled"      # optional: what its diagnosis must name (cases/bugs)
 
 or, for a custom training loop (see :mod:`harness.record.custom`)::
@@ -63,6 +65,10 @@ class Target:
     # Seconds in which no running rank makes progress that name the run hung (STALL_WINDOW).
     stall_window: float | None = None
     repeat: int | None = None  # runs on fresh ranks compared bitwise (REPEAT; harness.analysis.determinism)
+    # The resume check (RESUME_AT, RESUME_INTO, RESUME_NPROC; harness.analysis.resume).
+    resume_at: int | None = None
+    resume_into: str | None = None
+    resume_nproc: int | None = None
     expected_code: str | None = None
     source: str = ""  # the module file it came from
     description: str = ""
@@ -209,6 +215,13 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     repeat = getattr(module, "REPEAT", None)
     if repeat is not None and (isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1):
         raise TargetError(f"{where}: REPEAT must be an int >= 1 (the runs compared bitwise), got {repeat!r}")
+    resume = {key: getattr(module, key, None) for key in ("RESUME_AT", "RESUME_NPROC")}
+    for key, value in resume.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TargetError(f"{where}: {key} must be an int >= 1, got {value!r}")
+    resume_into = getattr(module, "RESUME_INTO", None)
+    if resume_into is not None and not isinstance(resume_into, str):
+        raise TargetError(f"{where}: RESUME_INTO must be a target name or path (a str), got {resume_into!r}")
     doc = (module.__doc__ or "").strip().splitlines()
     return Target(
         name=label or Path(getattr(module, "__file__", module.__name__)).stem + (f":{name}" if name else ""),
@@ -219,6 +232,9 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
         timeout=float(timeout) if timeout is not None else None,
         stall_window=float(stall_window) if stall_window is not None else None,
         repeat=repeat,
+        resume_at=resume["RESUME_AT"],
+        resume_into=resume_into,
+        resume_nproc=resume["RESUME_NPROC"],
         expected_code=getattr(module, "EXPECTED_CODE", None),
         source=getattr(module, "__file__", "") or "",
         description=doc[0] if doc else "",

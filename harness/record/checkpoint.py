@@ -1,0 +1,284 @@
+"""A strategy run's checkpoint: saved after a step, loaded on fresh ranks (of the same or another layout).
+
+What a checkpoint holds, and where:
+
+- the model and optimizer state, through ``torch.distributed.checkpoint`` (DCP) with
+  ``get_state_dict`` / ``set_state_dict``: saved sharded as each layout holds it, resharded on
+  load by fully qualified name, so an FSDP2 checkpoint loads into TP, another world size or one
+  process;
+- each rank's own state, one file a rank (``ranks/rank<N>.pt``): the torch RNG (CPU, and the
+  current CUDA device's), the lr scheduler, and what the strategy keeps itself (a data
+  loader's position) - state DCP's resharding cannot map;
+- ``manifest.json``: the step it was saved after, the world size, the strategy and case.
+
+A strategy takes part through two optional methods (:class:`harness.strategy.StrategyBase` has
+the defaults below): ``checkpoint_state(case, setup) -> dict`` (``{"model", "optim", "rank"}``)
+and ``load_checkpoint_state(case, setup, state)``. A strategy that keeps more state adds it under
+``state["rank"]["strategy"]`` and restores it.
+
+Per-rank state saved by one world size is carried to another only where every saved rank held
+the same value (a data-parallel run's common RNG); otherwise it is *not transferable* to that
+layout, and the load says so (:attr:`LoadedCheckpoint.not_transferable`) rather than guessing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference.files import write_atomic
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointPlan",
+    "LoadedCheckpoint",
+    "default_checkpoint_state",
+    "load_checkpoint",
+    "load_default_checkpoint_state",
+    "rng_view",
+    "save_checkpoint",
+]
+
+MANIFEST = "manifest.json"
+DCP_DIR = "dcp"
+RANKS_DIR = "ranks"
+SHARDED_KEYS = ("model", "optim")  # what DCP saves and reshards; the rest is per rank
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded (the message says what and where)."""
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What a run does with a checkpoint: ``save`` one into ``path`` after step ``at - 1``
+    (training goes on to the end), or ``resume`` from the one at ``path``: load it on fresh
+    ranks and train steps ``at`` .. end, the steps before copied from ``saved_record`` (the
+    saving run's record) so the resumed record has every step."""
+
+    path: str
+    at: int
+    resume: bool = False
+    saved_record: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "at": self.at, "resume": self.resume, "saved_record": self.saved_record}
+
+
+def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_file(path: str | os.PathLike[str], rank: int) -> Path:
+    return Path(path) / RANKS_DIR / f"rank{rank}.pt"
+
+
+# -- the torch RNG ------------------------------------------------------------------------------
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's torch RNG: the CPU generator and, with CUDA, the current device's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_view(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What the gate compares of an RNG state: each generator's SHA-256 and the first number
+    the CPU generator draws from it (``torch.rand(1)``, as float.hex): the evidence a user sees."""
+    view: dict[str, Any] = {k: hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest()[:16] for k, v in sorted(state.items())}
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state["cpu"])
+        view["first_draw"] = float(torch.rand(1).item()).hex()
+    return view
+
+
+# -- the defaults a strategy inherits -----------------------------------------------------------
+def default_checkpoint_state(case: Any, setup: Any) -> dict[str, Any]:
+    """``{"model", "optim"}`` from ``get_state_dict`` (DCP's, by fully qualified name, any
+    wrapper stripped) and ``{"rank": {"rng", "lr_scheduler"}}`` of this rank."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    models = _modules(setup.model)
+    model_sd, optim_sd = get_state_dict(models if len(models) > 1 else models[0], setup.optimizer)
+    rank: dict[str, Any] = {"rng": rng_state()}
+    if setup.lr_scheduler is not None:
+        rank["lr_scheduler"] = setup.lr_scheduler.state_dict()
+    return {"model": model_sd, "optim": optim_sd, "rank": rank}
+
+
+def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) -> None:
+    """Apply what :func:`default_checkpoint_state` saved (``set_state_dict``, the RNG and the
+    lr scheduler); per-rank parts that were not transferable to this layout are absent."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    models = _modules(setup.model)
+    set_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
+                   model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank = state.get("rank", {})
+    if "rng" in rank:
+        set_rng_state(rank["rng"])
+    if setup.lr_scheduler is not None and "lr_scheduler" in rank:
+        setup.lr_scheduler.load_state_dict(rank["lr_scheduler"])
+
+
+def _state_of(strategy: Any, case: Any, setup: Any) -> dict[str, Any]:
+    hook = getattr(strategy, "checkpoint_state", None)
+    state = hook(case, setup) if hook is not None else default_checkpoint_state(case, setup)
+    if not isinstance(state, dict) or any(k not in state for k in (*SHARDED_KEYS, "rank")):
+        raise CheckpointError(f"strategy {strategy.name!r}: checkpoint_state must return a dict with 'model', 'optim' "
+                              f"and 'rank', got {sorted(state) if isinstance(state, dict) else type(state).__name__}")
+    return state
+
+
+# -- save and load ------------------------------------------------------------------------------
+def save_checkpoint(path: str | os.PathLike[str], case: Any, strategy: Any, setup: Any, *, at: int) -> None:
+    """Collective: save this run's state after step ``at - 1`` into ``path`` (module docstring)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank_world()
+    root = Path(path)
+    state = _state_of(strategy, case, setup)
+    dcp.save({k: state[k] for k in SHARDED_KEYS}, checkpoint_id=str(root / DCP_DIR))
+    mine = rank_file(root, rank)
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state["rank"], buffer)
+    write_atomic(mine, buffer.getvalue())
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        write_atomic(root / MANIFEST, json.dumps({
+            "version": 1, "at": at, "world_size": world, "strategy": strategy.name, "case": case.name,
+            "lr_scheduler": setup.lr_scheduler is not None,
+        }, indent=1))
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    file = Path(path) / MANIFEST
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not a harness checkpoint: {file.name} cannot be read ({exc})") from None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
+            and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def saved_rank_state(path: str | os.PathLike[str], rank: int, world: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The per-rank state rank ``rank`` of a ``world``-rank job loads: its own file on the saved
+    world size; on another, each entry all saved ranks agree on (their common value), the rest
+    listed as not transferable (``{"state", "saved_world", "world", "why"}``)."""
+    manifest = read_manifest(path)
+    saved_world = int(manifest["world_size"])
+    if saved_world == world:
+        return torch.load(rank_file(path, rank), weights_only=True), []
+    saved = [torch.load(rank_file(path, r), weights_only=True) for r in range(saved_world)]
+    common: dict[str, Any] = {}
+    lost: list[dict[str, Any]] = []
+    for key in sorted({k for s in saved for k in s}):
+        values = [s.get(key) for s in saved]
+        if all(v is not None for v in values) and all(_same(values[0], v) for v in values[1:]):
+            common[key] = values[0]
+        else:
+            lost.append({"state": key, "saved_world": saved_world, "world": world,
+                         "why": f"the {saved_world} saved ranks hold different {key} states: which one a rank of "
+                                f"{world} continues from is not defined by the layout"})
+    return common, lost
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` did on this rank: the step training continues at, the
+    per-rank state that could not come along, and this rank's state right after the load as
+    the gate compares it (``view``: RNG digests and first draw, the lr scheduler's state)."""
+
+    at: int
+    saved_world: int
+    not_transferable: list[dict[str, Any]] = field(default_factory=list)
+    view: dict[str, Any] = field(default_factory=dict)
+
+
+def loaded_view(setup: Any) -> dict[str, Any]:
+    """This rank's state after a load, as the gate compares it with the saved files."""
+    view: dict[str, Any] = {"rng": rng_view(rng_state())}
+    if setup.lr_scheduler is not None:
+        view["lr_scheduler"] = _jsonable(setup.lr_scheduler.state_dict())
+    return view
+
+
+def saved_view(rank_state: dict[str, Any]) -> dict[str, Any]:
+    """The same view of a saved rank file (:func:`loaded_view`)."""
+    view: dict[str, Any] = {}
+    if "rng" in rank_state:
+        view["rng"] = rng_view(rank_state["rng"])
+    if "lr_scheduler" in rank_state:
+        view["lr_scheduler"] = _jsonable(rank_state["lr_scheduler"])
+    return view
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def load_checkpoint(path: str | os.PathLike[str], case: Any, strategy: Any, setup: Any) -> LoadedCheckpoint:
+    """Collective: load the checkpoint at ``path`` into a freshly set-up run (module docstring).
+    DCP fills the strategy's own state-dict templates in place (resharding to this layout),
+    then the strategy applies them with its ``load_checkpoint_state``."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = _rank_world()
+    manifest = read_manifest(path)
+    template = _state_of(strategy, case, setup)
+    sharded = {k: template[k] for k in SHARDED_KEYS}
+    try:
+        dcp.load(sharded, checkpoint_id=str(Path(path) / DCP_DIR))
+    except Exception as exc:
+        raise CheckpointError(f"the checkpoint {path} (saved by {manifest.get('strategy')!r} on {manifest.get('world_size')} "
+                              f"ranks) does not load into {strategy.name!r} on {world}: {type(exc).__name__}: {exc}") from exc
+    rank_state, lost = saved_rank_state(path, rank, world)
+    state = {**sharded, "rank": rank_state}
+    hook = getattr(strategy, "load_checkpoint_state", None)
+    if hook is not None:
+        hook(case, setup, state)
+    else:
+        load_default_checkpoint_state(case, setup, state)
+    return LoadedCheckpoint(at=int(manifest["at"]), saved_world=int(manifest["world_size"]), not_transferable=lost,
+                            view=loaded_view(setup))
