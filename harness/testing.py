@@ -31,7 +31,7 @@ from harness.run import RunResult
 from harness.strategy import DistContextLike
 from harness.targets.target import Target, is_train_fn
 
-__all__ = ["assert_matches_reference", "report_path_for"]
+__all__ = ["assert_matches_reference", "assert_resumes", "report_path_for"]
 
 
 def report_path_for(nodeid: str | None, name: str, report_dir: str = "") -> Path:
@@ -110,14 +110,66 @@ def assert_matches_reference(
             note_run(workdir, test=current.nodeid, case=case.with_steps(steps), strategy=trains, nproc=ctx.world_size)
     run = diagnose_on_ranks(target, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance, workdir=workdir,
                             cache=cache, comparison=comparison)
+    _fail_if_reported(run, name, dst)
+    assert run.result is not None
+    return run.result
+
+
+def _fail_if_reported(run: Any, name: str, dst: int, *, prefix: str = "") -> None:
+    """Collective: every rank raises the failed run's terminal report (the HTML written on ``dst``)."""
+    from harness.report import format_terminal, write_html
+
     message = ""
     if run.report is not None:  # dst, and the run failed
         path = write_html(run.report, report_path_for(_current_test(), name))
-        message = format_terminal(run.report) + f"\n  html report: {path}"
+        message = prefix + format_terminal(run.report) + f"\n  html report: {path}"
         if run.result is not None:
             message += f"\n  records: {run.result.record_path} vs {run.result.reference_path}"
     message = broadcast_object(message, dst)
     if message:
         raise AssertionError(message)
+
+
+def assert_resumes(
+    case: Case,
+    strategy: Any,
+    ctx: DistContextLike,
+    *,
+    at: int,
+    into: Any = None,
+    steps: int | None = None,
+    tolerance: Any = "auto",
+    workdir: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    dst: int = 0,
+) -> Any:
+    """Collective: the resume check next to :func:`assert_matches_reference`. Train ``strategy``
+    to the end, saving a checkpoint after step ``at - 1`` (the run must match the reference);
+    then set up ``into`` (another strategy on these ranks; default ``strategy``) afresh, load the
+    checkpoint and train ``at`` .. end. Fails with the diagnosis unless the load is bitwise what
+    was saved and the continuation agrees with the uninterrupted run
+    (:mod:`harness.analysis.resume`). Returns the
+    :class:`~harness.analysis.resume.ResumeCheck` on every rank."""
+    import tempfile
+
+    from harness.pipeline import diagnose_on_ranks
+    from harness.record.checkpoint import CheckpointPlan
+
+    into = into if into is not None else strategy
+    current = _current()
+    if workdir is None:
+        workdir = current.run_dir if current is not None and current.run_dir else None
+    base = Path(broadcast_object(str(workdir) if workdir is not None else (tempfile.mkdtemp(prefix="harness-resume-")
+                                                                             if ctx.rank == dst else None), dst))
+    checkpoint = str(base / "checkpoint")
+    saving = _target(case, strategy)
+    run = diagnose_on_ranks(saving, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance,
+                            workdir=base / "saved", cache=cache, checkpoint=CheckpointPlan(checkpoint, at))
+    _fail_if_reported(run, f"{strategy.name}-{case.name}", dst, prefix="the run that saves the checkpoint fails on its own:\n")
     assert run.result is not None
-    return run.result
+    resuming = _target(case, into)
+    resumed = diagnose_on_ranks(resuming, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance,
+                                workdir=base / "resumed", cache=cache,
+                                checkpoint=CheckpointPlan(checkpoint, at, resume=True, saved_record=run.result.record_path))
+    _fail_if_reported(resumed, f"{into.name}-{case.name}-resumed", dst)
+    return broadcast_object(resumed.resume, dst)

@@ -150,7 +150,8 @@ class _Training:
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
         self.draw_replay: Any = None  # a reference.draws.DrawReplay while a step replays a run's draws
-        self.lr_scheduler = case.build_lr_scheduler(optimizer)  # stepped after each optimizer step
+        # Stepped after each optimizer step (no optimizer: a measurement of gradients alone).
+        self.lr_scheduler = case.build_lr_scheduler(optimizer) if optimizer is not None else None
 
     @classmethod
     def open(

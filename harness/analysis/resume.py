@@ -51,6 +51,8 @@ class GateDifference:
     detail: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
+        if "sentence" in self.detail:
+            return str(self.detail["sentence"])
         rank = f" on rank {self.rank}" if self.rank is not None else ""
         name = f" {self.name!r}" if self.name else ""
         extra = ", ".join(f"{k} {v}" for k, v in self.detail.items() if not isinstance(v, (list, dict)) or len(str(v)) < 80)
@@ -121,7 +123,7 @@ class ResumeCheck:
     def lines(self) -> list[str]:
         """The terminal's account, a few lines."""
         out = [f"resume at step {self.at} ({self._layouts()}): load gate "
-               + ("exact" if self.load_exact else f"{len(self.gate)} differences")
+               + ("exact" if self.load_exact else f"{len(self.gate)} difference{'s' if len(self.gate) > 1 else ''}")
                + " (" + ", ".join(f"{n} {k}" for k, n in self.compared.items()) + ")"]
         out += [f"  {d.code}: {d.line()}" for d in self.gate[:6]]
         out += [f"  not transferable to {n['world']} ranks: {n['state']} ({n['why']})" for n in self.not_transferable]
@@ -202,7 +204,7 @@ def _gate_tensors(saved: Record, resumed: Record, step: int, check: ResumeCheck)
                 check.gate.append(GateDifference("resume-chunks-permuted", kind, name, detail=perm))
             else:
                 check.gate.append(GateDifference("resume-value-differs", kind, name, detail={
-                    "max_abs": _max_abs(a, b), "saved": f"{tuple(a.shape)} {a.dtype}", "loaded": f"{tuple(b.shape)} {b.dtype}"}))
+                    "max_abs": float(f"{_max_abs(a, b):.3g}"), "saved": f"{tuple(a.shape)} {a.dtype}", "loaded": f"{tuple(b.shape)} {b.dtype}"}))
         for name in sorted(have - set(want)):
             check.gate.append(GateDifference("resume-value-differs", kind, name, detail={"saved": "absent", "loaded": "present"}))
 
