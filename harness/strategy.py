@@ -18,7 +18,8 @@ from reference.schedule import batch_weight, replica_micro_batch_indices
 
 from harness.parallel_dims import RankLayout
 
-__all__ = ["DistContextLike", "RankSetup", "Strategy", "StrategyBase"]
+__all__ = ["DistContextLike", "RankSetup", "Strategy", "StrategyBase", "default_checkpoint_state", "load_default_checkpoint_state",
+           "rng_state", "set_rng_state"]
 
 
 @runtime_checkable
@@ -100,6 +101,54 @@ class Strategy(Protocol):
         ...
 
 
+# -- a checkpoint's defaults (harness.record.checkpoint saves and loads them) -------------------
+def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's torch RNG: the CPU generator and, with CUDA, the current device's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def default_checkpoint_state(case: Any, setup: Any) -> dict[str, Any]:
+    """``{"model", "optim"}`` from ``get_state_dict`` (DCP's, by fully qualified name, any
+    wrapper stripped) and ``{"rank": {"rng", "lr_scheduler"}}`` of this rank."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    models = _modules(setup.model)
+    model_sd, optim_sd = get_state_dict(models if len(models) > 1 else models[0], setup.optimizer)
+    rank: dict[str, Any] = {"rng": rng_state()}
+    if setup.lr_scheduler is not None:
+        rank["lr_scheduler"] = setup.lr_scheduler.state_dict()
+    return {"model": model_sd, "optim": optim_sd, "rank": rank}
+
+
+def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) -> None:
+    """Apply what :func:`default_checkpoint_state` saved (``set_state_dict``, the RNG and the
+    lr scheduler); per-rank parts that were not transferable to this layout are absent."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    models = _modules(setup.model)
+    set_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
+                   model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank = state.get("rank", {})
+    if "rng" in rank:
+        set_rng_state(rank["rng"])
+    if setup.lr_scheduler is not None and "lr_scheduler" in rank:
+        setup.lr_scheduler.load_state_dict(rank["lr_scheduler"])
+
+
+
 def accumulate_micro_batches(
     case: Case,
     setup: RankSetup,
@@ -170,14 +219,10 @@ class StrategyBase:
         """What a checkpoint of this rank holds: ``{"model", "optim"}`` (saved and resharded by
         DCP) and ``{"rank": {...}}`` (this rank's own: RNG, lr scheduler; a strategy that keeps
         a data position adds it here), see :mod:`harness.record.checkpoint`."""
-        from harness.record.checkpoint import default_checkpoint_state
-
         return default_checkpoint_state(case, setup)
 
     def load_checkpoint_state(self, case: Case, setup: RankSetup, state: dict[str, Any]) -> None:
         """Apply a loaded :meth:`checkpoint_state` to this freshly set-up rank."""
-        from harness.record.checkpoint import load_default_checkpoint_state
-
         load_default_checkpoint_state(case, setup, state)
 
     def __repr__(self) -> str:

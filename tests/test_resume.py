@@ -9,7 +9,6 @@ tests/test_diagnose.py, and two of them again here through pytest's ``assert_res
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from cases.catalog import mlp_case
 from cases.strategies.ddp import DDPStrategy
-from harness.record.checkpoint import rng_state, set_rng_state
+from harness.strategy import rng_state, set_rng_state
 
 EXPECTED_CODE = "resume-state-missing"
 NPROC = 2

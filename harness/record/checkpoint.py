@@ -27,16 +27,16 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from reference.files import write_atomic
+
+from harness.strategy import default_checkpoint_state, load_default_checkpoint_state, rng_state
 
 __all__ = [
     "CheckpointError",
@@ -75,10 +75,6 @@ class CheckpointPlan:
         return {"path": self.path, "at": self.at, "resume": self.resume, "saved_record": self.saved_record}
 
 
-def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-    return [model] if isinstance(model, nn.Module) else list(model)
-
-
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -89,21 +85,6 @@ def rank_file(path: str | os.PathLike[str], rank: int) -> Path:
     return Path(path) / RANKS_DIR / f"rank{rank}.pt"
 
 
-# -- the torch RNG ------------------------------------------------------------------------------
-def rng_state() -> dict[str, torch.Tensor]:
-    """This rank's torch RNG: the CPU generator and, with CUDA, the current device's."""
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def rng_view(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What the gate compares of an RNG state: each generator's SHA-256 and the first number
     the CPU generator draws from it (``torch.rand(1)``, as float.hex): the evidence a user sees."""
@@ -112,35 +93,6 @@ def rng_view(state: dict[str, torch.Tensor]) -> dict[str, Any]:
         torch.set_rng_state(state["cpu"])
         view["first_draw"] = float(torch.rand(1).item()).hex()
     return view
-
-
-# -- the defaults a strategy inherits -----------------------------------------------------------
-def default_checkpoint_state(case: Any, setup: Any) -> dict[str, Any]:
-    """``{"model", "optim"}`` from ``get_state_dict`` (DCP's, by fully qualified name, any
-    wrapper stripped) and ``{"rank": {"rng", "lr_scheduler"}}`` of this rank."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    models = _modules(setup.model)
-    model_sd, optim_sd = get_state_dict(models if len(models) > 1 else models[0], setup.optimizer)
-    rank: dict[str, Any] = {"rng": rng_state()}
-    if setup.lr_scheduler is not None:
-        rank["lr_scheduler"] = setup.lr_scheduler.state_dict()
-    return {"model": model_sd, "optim": optim_sd, "rank": rank}
-
-
-def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) -> None:
-    """Apply what :func:`default_checkpoint_state` saved (``set_state_dict``, the RNG and the
-    lr scheduler); per-rank parts that were not transferable to this layout are absent."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    models = _modules(setup.model)
-    set_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank = state.get("rank", {})
-    if "rng" in rank:
-        set_rng_state(rank["rng"])
-    if setup.lr_scheduler is not None and "lr_scheduler" in rank:
-        setup.lr_scheduler.load_state_dict(rank["lr_scheduler"])
 
 
 def _state_of(strategy: Any, case: Any, setup: Any) -> dict[str, Any]:
