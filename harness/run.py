@@ -126,10 +126,8 @@ def train_strategy(
     if loaded is not None:
         assert checkpoint is not None
         start = checkpoint.at
-        same_ranks = loaded.saved_world == ctx.world_size and _saved_layouts(checkpoint) == [
-            {k: v for k, v in r.items() if k != "pins"} for r in recorder.layouts]
         recorder.resumed(Record.load(checkpoint.saved_record) if ctx.rank == dst and checkpoint.saved_record else None,
-                         start, loaded, same_ranks=same_ranks)
+                         start, loaded)
     else:
         case.seed_training()
     try:
@@ -154,17 +152,6 @@ def train_strategy(
         if run_trace is not None and record is not None:
             run_trace.save(Path(record.path) / TRACE_FILE)
     return record
-
-
-def _saved_layouts(checkpoint: CheckpointPlan) -> list[dict[str, Any]] | None:
-    """The saving run's rank layouts (from its record), without the pins."""
-    if not checkpoint.saved_record:
-        return None
-    try:
-        meta = Record.load(checkpoint.saved_record).meta
-    except Exception:  # noqa: BLE001 - then the ranks are not known to be the same
-        return None
-    return [{k: v for k, v in r.items() if k != "pins"} for r in meta.get("ranks", [])]
 
 
 def check_comparison_mode(comparison: str) -> str:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from reference.files import write_atomic
 
+from harness.record.recorder import _rank_world
 from harness.strategy import default_checkpoint_state, load_default_checkpoint_state, rng_state
 
 __all__ = [
@@ -73,12 +74,6 @@ class CheckpointPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "at": self.at, "resume": self.resume, "saved_record": self.saved_record}
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def rank_file(path: str | os.PathLike[str], rank: int) -> Path:

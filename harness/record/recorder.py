@@ -204,22 +204,24 @@ class RankRecorder:
         self._record_kind(step, "optim")
         self._record_step_info(step)
 
-    def resumed(self, saved: Record | None, at: int, loaded: Any, *, same_ranks: bool) -> None:
+    def resumed(self, saved: Record | None, at: int, loaded: Any) -> None:
         """Collective, right after a checkpoint was loaded into a run that continues at step ``at``:
         on ``dst`` the steps before ``at`` are copied from ``saved`` (the saving run's record, so the
         resumed record has every step and the stepwise comparison starts step ``at`` from it), except
         step ``at - 1``'s parameters and optimizer state: those are this run's, gathered now, right
         after the load - what the load gate compares with ``saved`` bitwise. Every rank's view of its
         own loaded state (``loaded``: a :class:`harness.record.checkpoint.LoadedCheckpoint`) goes into
-        the record's ``meta["resume"]``. ``same_ranks``: the ranks are the saving run's (same world
-        size and layout), so its per-rank entries are copied too."""
-        names = {}
-        for module in self._modules():
-            names.update({id(p): n for n, p in reference_named_parameters(module)})
+        the record's ``meta["resume"]``. Where the ranks are the saving run's (same world size and
+        layouts), its per-rank entries are copied too."""
         everyone = _all_gather_object({"rank": self.rank, "view": loaded.view, "not_transferable": loaded.not_transferable,
-                                       "param_groups": optimizer_param_groups(self.optimizer, names)})
+                                       "param_groups": optimizer_param_groups(self.optimizer, self._param_names())})
         if self.writer is not None:
             assert saved is not None
+
+            def without_pins(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                return [{k: v for k, v in r.items() if k != "pins"} for r in ranks]
+
+            same_ranks = loaded.saved_world == self.world_size and without_pins(saved.meta.get("ranks", [])) == without_pins(self.layouts)
             if saved.num_steps < at:
                 raise RecorderError(f"the saved record {saved.path} has {saved.num_steps} steps; the resume at step {at} needs {at}")
             for step in range(at - 1):
@@ -283,10 +285,15 @@ class RankRecorder:
                     self.writer.add_aux(step, key, tensor)
                     index[name].append({"ranks": ranks, "aux": key})
 
-    def _record_step_info(self, step: int) -> None:
-        names = {}
+    def _param_names(self) -> dict[int, str]:
+        """``id(param)`` -> reference name over every local model chunk."""
+        names: dict[int, str] = {}
         for module in self._modules():
             names.update({id(p): n for n, p in reference_named_parameters(module)})
+        return names
+
+    def _record_step_info(self, step: int) -> None:
+        names = self._param_names()
         draws, overflowed = self.draw_log.take() if self.draw_log is not None else ([], False)
         mine = {
             "rank": self.rank,
