@@ -142,3 +142,63 @@ def test_cpu_seconds_counts_the_children_a_process_has_reaped(tmp_path) -> None:
     finally:
         driver.kill()
         driver.wait()
+
+
+def test_a_start_that_times_out_is_retried_once_and_shows_every_ranks_stacks(monkeypatch) -> None:
+    """The first start gets a deadline no rank can meet (real ranks, real timeout); the manager
+    starts a fresh pool once, which runs the test. A start that fails for a reason (not the
+    clock) is not retried, and two timeouts report both starts with every rank's output."""
+    import dataclasses
+
+    from harness.launch import pool as pool_module
+    from harness.launch.pool import PoolConfig, PoolManager, PoolStartError
+    from harness.launch.remote import RankRunner
+
+    real_start = pool_module.RankPool.start
+    messages: list[str] = []
+
+    def start_once_too_fast(self):
+        if not messages:
+            self.config = dataclasses.replace(self.config, startup_timeout=0.001)
+            try:
+                return real_start(self)
+            except PoolStartError as exc:
+                messages.append(str(exc))
+                raise
+        return real_start(self)
+
+    monkeypatch.setattr(pool_module.RankPool, "start", start_once_too_fast)
+    manager = PoolManager(PoolConfig(startup_timeout=60.0))
+    try:
+        with RankRunner(manager) as runner:
+            result = runner.run(summed, nproc=2, kwargs={"x": 1}, timeout=60)
+        assert [result.values[r]["sum"] for r in (0, 1)] == [3, 3]
+    finally:
+        manager.close()
+    assert len(messages) == 1
+    assert "did not finish" in messages[0] and "(--dist-startup-timeout)" in messages[0]
+    assert "Output of rank 0:" in messages[0] and "Output of rank 1:" in messages[0]
+
+    def refused(self):
+        raise PoolStartError("rank 1 failed to join the gloo process group: boom")
+
+    manager = PoolManager(PoolConfig(startup_timeout=60.0), start_method="spawn")  # no rank starts
+    calls = []
+    monkeypatch.setattr(pool_module.RankPool, "start", lambda self: calls.append(1) or refused(self))
+    try:
+        with pytest.raises(PoolStartError, match="boom"):
+            manager.get(pool_module.PoolKey(2, "gloo", "cpu"))
+    finally:
+        manager.close()
+    assert calls == [1]
+
+    def always_slow(self):
+        raise PoolStartError("ranks did not finish joining the process group", timed_out=True)
+
+    monkeypatch.setattr(pool_module.RankPool, "start", always_slow)
+    manager = PoolManager(PoolConfig(startup_timeout=60.0), start_method="spawn")
+    try:
+        with pytest.raises(PoolStartError, match="the first start timed out too"):
+            manager.get(pool_module.PoolKey(2, "gloo", "cpu"))
+    finally:
+        manager.close()

@@ -38,7 +38,14 @@ _REPO_ROOT = os.path.dirname(HARNESS_DIR)
 
 
 class PoolStartError(RuntimeError):
-    """The ranks could not be started or could not join the process group in time."""
+    """The ranks could not be started or could not join the process group in time.
+
+    ``timed_out`` is true when nothing failed but the deadline passed: the one kind of start
+    failure that a busy machine explains, and that a second start may not repeat."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 MAX_RANKS_ENV = "HARNESS_MAX_RANKS"
@@ -403,7 +410,7 @@ class RankPool:
                 self._check_started_alive("connecting to the launcher")
                 now = time.monotonic()
                 if deadline - now <= 0:
-                    raise PoolStartError(self._startup_timeout_message("connecting to the launcher"))
+                    raise PoolStartError(self._startup_timeout_message("connecting to the launcher"), timed_out=True)
                 for sock, (_, since) in list(pending.items()):
                     if now - since > HANDSHAKE_TIMEOUT_S:
                         pending.pop(sock)
@@ -478,17 +485,29 @@ class RankPool:
                 )
 
     def _startup_timeout_message(self, phase: str) -> str:
-        return (
+        """Where every rank stands: each is asked for its Python stacks (faulthandler on
+        SIGUSR1, registered before the worker connects) so a start that hung shows where."""
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                try:
+                    os.kill(r.proc.pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(0.5)  # faulthandler writes from the signal handler: let it finish
+        parts = [
             f"ranks did not finish {phase} within {self.config.startup_timeout:.0f} s "
-            f"(--dist-startup-timeout). Output of rank 0:\n{_tail(self.ranks[0].log_path)}"
-        )
+            f"(--dist-startup-timeout)."
+        ]
+        for r in self.ranks:
+            parts.append(f"Output of rank {r.rank}:\n{_tail(r.log_path, 1500)}")
+        return "\n".join(parts)
 
     def _recv(self, r: _Rank, deadline: float, phase: str) -> Any:
         assert r.task is not None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PoolStartError(self._startup_timeout_message(phase))
+                raise PoolStartError(self._startup_timeout_message(phase), timed_out=True)
             if r.task.poll(min(remaining, 0.2)):
                 try:
                     return r.task.recv()
@@ -764,7 +783,21 @@ class PoolManager:
         while len(self.pools) >= self.max_pools:
             _, old = self.pools.popitem(last=False)
             old.shutdown()
-        pool = RankPool(key, self.config, self._fork_server()).start()
+        try:
+            pool = RankPool(key, self.config, self._fork_server()).start()
+        except PoolStartError as first:
+            if not first.timed_out:
+                raise
+            # Nothing failed, the deadline passed: on a loaded machine one start can stall
+            # (every rank waiting its turn for a core) where the next does not. No user code
+            # has run yet, so a second, fresh start changes no verdict; a second timeout is
+            # reported with both starts' evidence.
+            try:
+                pool = RankPool(key, self.config, self._fork_server()).start()
+            except PoolStartError as second:
+                raise PoolStartError(
+                    f"{second}\n(the first start timed out too:)\n{first}", timed_out=second.timed_out
+                ) from None
         self.started += 1
         self.pools[key] = pool
         return pool
