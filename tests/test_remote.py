@@ -202,3 +202,25 @@ def test_a_start_that_times_out_is_retried_once_and_shows_every_ranks_stacks(mon
             manager.get(pool_module.PoolKey(2, "gloo", "cpu"))
     finally:
         manager.close()
+
+
+def pid_of(ctx) -> int:
+    import os
+
+    return os.getpid()
+
+
+def test_a_fresh_runner_forks_ranks_that_ran_nothing_from_the_same_fork_server(rank_runner) -> None:
+    """The determinism and resume runs need ranks that never ran a test: they are new processes
+    forked from the runner's fork server (no second torch import), closed with their runner,
+    which leaves the lender's fork server and warm pool running."""
+    warm = rank_runner.run(pid_of, nproc=2, timeout=60).values
+    fresh = rank_runner.fresh()
+    try:
+        first = fresh.run(pid_of, nproc=2, timeout=60).values
+        assert set(first.values()).isdisjoint(warm.values())
+        if rank_runner.manager.start_method == "forkserver":
+            assert rank_runner.manager.zygote is not None and fresh.manager.zygote is None  # borrowed
+    finally:
+        fresh.close()
+    assert rank_runner.run(pid_of, nproc=2, timeout=60).values == warm

@@ -741,6 +741,7 @@ class PoolManager:
         max_pools: int = 2,
         fresh_per_test: bool = False,
         start_method: str = "forkserver",
+        fork_server_of: "PoolManager | None" = None,
     ) -> None:
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', not {start_method!r}")
@@ -751,17 +752,26 @@ class PoolManager:
         self.pools: OrderedDict[PoolKey, RankPool] = OrderedDict()
         self.started = 0
         self.zygote: Zygote | None = None
+        # A manager whose pools must be fresh ranks (the determinism and resume runs) may fork
+        # them from another manager's fork server: a forked rank has run nothing either way,
+        # and the fork server's torch import (seconds) is paid once. The lender closes it.
+        self._lender = fork_server_of if start_method == "forkserver" else None
         self._zygote_dir = tempfile.mkdtemp(prefix="harness-zygote-")
 
     def start_fork_server(self) -> None:
         """Start the fork server now without waiting for it: its torch import then overlaps
         whatever the caller does next (pytest's collection); the first pool waits for it."""
+        if self._lender is not None:
+            self._lender.start_fork_server()
+            return
         if self.start_method == "forkserver" and self.zygote is None:
             self.zygote = Zygote(self.config.startup_timeout, os.path.join(self._zygote_dir, "zygote.log"))
 
     def _fork_server(self) -> Zygote | None:
         if self.start_method != "forkserver":
             return None
+        if self._lender is not None:
+            return self._lender._fork_server()
         if self.zygote is not None and self.zygote.ready and not self.zygote.alive():
             self.zygote.close()
             self.zygote = None

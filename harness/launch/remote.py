@@ -128,8 +128,12 @@ class RankRunner:
 
     def fresh(self) -> "RankRunner":
         """A runner of the same configuration with pools of its own: ranks that never ran
-        anything before (the determinism gate's runs). Close it when done."""
-        manager = PoolManager(self.manager.config, max_pools=1, start_method=self.manager.start_method)
+        anything before (the determinism gate's runs), forked from this runner's fork server.
+        Close it when done."""
+        manager = PoolManager(
+            self.manager.config, max_pools=1, start_method=self.manager.start_method,
+            fork_server_of=self.manager,
+        )
         runner = RankRunner(manager, backend=self.backend, device=self.device)
         runner._own = True
         return runner
