@@ -21,7 +21,7 @@ def train(ctx, run):
     model = CASE.build_model(ctx.device)  # the same seeded weights on every rank
     optimizer = CASE.build_optimizer(model.parameters())
     run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size))  # harness
-    for step in range(run.steps):
+    for step in range(run.start, run.steps):  # harness: run.start > 0 when resumed (--resume-at)
         for batch in run.batches(step):  # this replica's shard (or your own loader + ids)
             loss = CASE.forward_loss(model, batch)
             (loss * run.loss_weight(batch)).backward()

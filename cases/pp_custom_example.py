@@ -61,7 +61,7 @@ def train(ctx, run):
     model = Stage(CASE.build_model(ctx.device), stage)
     optimizer = CASE.build_optimizer(model.parameters())
     run.watch(model, optimizer, dims.layout(ctx.rank))  # harness: the last stage holds the loss
-    for step in range(run.steps):
+    for step in range(run.start, run.steps):  # harness: run.start > 0 when resumed (--resume-at)
         held = []
         for batch in run.batches(step):  # every micro-batch's forward (GPipe order)
             x = batch.inputs if first else recv_activation(ctx, batch)

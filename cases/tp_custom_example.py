@@ -18,7 +18,7 @@ def train(ctx, run):
     model = apply_tensor_parallel(CASE.build_model(ctx.device), dims.build_mesh(ctx.device.type))
     optimizer = CASE.build_optimizer(model.parameters())
     run.watch(model, optimizer, dims.layout(ctx.rank))  # harness: tp rank 0 holds the loss
-    for step in range(run.steps):
+    for step in range(run.start, run.steps):  # harness: run.start > 0 when resumed (--resume-at)
         for batch in run.batches(step):  # the whole batch: one data-parallel replica
             loss = CASE.forward_loss(model, batch)
             (loss * run.loss_weight(batch)).backward()

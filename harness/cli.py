@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     restore = terminate_as_interrupt()
     try:
         return _diagnose_one(args, runner) if args.target is not None else _demo(args, runner)
+    except TargetError as exc:  # arguments the target cannot honour (--resume-at out of range, ...)
+        return _usage(parser, str(exc))
     except KeyboardInterrupt as exc:
         return _interrupted(exc)
     finally:

@@ -145,7 +145,8 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
     base = Path(workdir) if workdir is not None else (Path(tempfile.mkdtemp(prefix="harness-run-")) if is_dst else None)
     record_dir = base / f"custom-{case.name}-w{ctx.world_size}" if base is not None else None
     tracer = Tracer(name=f"custom-{case.name}")
-    run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer, digests=run_options.get("digests", False))
+    run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer, digests=run_options.get("digests", False),
+                    checkpoint=run_options.get("checkpoint"), checkpoint_glue=target.checkpoint_glue)
     case.seed_training()
     try:
         # Active while the loop runs, so a hang dump can tell the harness's collectives apart.
@@ -217,9 +218,6 @@ def diagnose_on_ranks(
     if strategy is not None:
         record_path, trace_path, probe = _train_strategy(target, case, strategy, ctx, dst, run_options, out)
     elif target.train is not None:
-        if checkpoint is not None:
-            raise TargetError(f"{target.name} is a custom loop: the checkpoint and resume check runs strategies "
-                              "(their state through torch.distributed.checkpoint); custom loops are not supported yet")
         record_path, trace_path, probe = _train_custom(target, case, ctx, dst, run_options, out)
     else:
         raise TargetError(f"{target.name} has neither a strategy nor a train(ctx, run) loop to run on ranks")
@@ -504,12 +502,21 @@ def _diagnose_resume(target: str, resolved: Target, *, at: int, into: str | None
     into_target = resolved if into is None else load_target(into)
     case = resolved.case.with_steps(options.get("steps"))
     for t in (resolved, into_target):
-        if t.strategy is None:
-            raise TargetError(f"{t.name} is not a strategy target: the resume check saves and loads strategies' state "
-                              "through torch.distributed.checkpoint (custom loops are not supported yet)")
-    if into_target.case.with_steps(options.get("steps")).describe() != case.describe():
-        raise TargetError(f"{into_target.name} trains case {into_target.case.name!r}, {resolved.name} case {case.name!r}: "
-                          "a checkpoint resumes the same training problem; pick a target of the same case")
+        if t.strategy is None and t.train is None:
+            raise TargetError(f"{t.name} trains nothing on ranks (a layout plan): the resume check saves and loads a "
+                              "strategy's or a custom loop's state")
+    if resolved.checkpoint_glue is not None and (into_target.source, into_target.name) != (resolved.source, resolved.name):
+        raise TargetError(f"{resolved.name} saves its checkpoint with its own save(ctx, run, path): only its own "
+                          f"load(ctx, run, path) reads it, so it resumes into itself, not into {into_target.name}")
+    into_case = into_target.case.with_steps(options.get("steps")).describe()
+    differs = {k: (v, into_case.get(k)) for k, v in case.describe().items() if into_case.get(k) != v}
+    if differs:
+        fields = [k for k in differs if k != "name"]
+        shown = ", ".join(f"{k} {differs[k][0]!r} against {differs[k][1]!r}" for k in fields[:3])
+        shown += f" and {len(fields) - 3} more" if len(fields) > 3 else ""
+        raise TargetError(f"{into_target.name} trains case {into_target.case.name!r}, {resolved.name} case {case.name!r}, "
+                          f"which differ in {shown}: a checkpoint resumes the same training problem; pick a target of "
+                          "the same case")
     if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < case.steps:
         raise TargetError(f"resume at step {at!r}: allowed 1..{case.steps - 1} for a {case.steps}-step run "
                           "(the checkpoint is saved after step at-1; the resumed run trains at..end)")

@@ -18,7 +18,8 @@ from reference.schedule import batch_weight, replica_micro_batch_indices
 
 from harness.parallel_dims import RankLayout
 
-__all__ = ["DistContextLike", "RankSetup", "Strategy", "StrategyBase", "default_checkpoint_state", "load_default_checkpoint_state",
+__all__ = ["DistContextLike", "RankSetup", "Strategy", "StrategyBase", "default_checkpoint_state", "default_rank_state",
+           "load_default_checkpoint_state",
            "rng_state", "set_rng_state"]
 
 
@@ -106,6 +107,12 @@ def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
+def _STATE_DICT_OPTIONS() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     """This rank's torch RNG: the CPU generator and, with CUDA, the current device's."""
     state = {"cpu": torch.get_rng_state()}
@@ -122,15 +129,24 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 def default_checkpoint_state(case: Any, setup: Any) -> dict[str, Any]:
     """``{"model", "optim"}`` from ``get_state_dict`` (DCP's, by fully qualified name, any
-    wrapper stripped) and ``{"rank": {"rng", "lr_scheduler"}}`` of this rank."""
+    wrapper stripped) and ``{"rank": {"rng", "lr_scheduler"}}`` of this rank. The optimizer's
+    state dict is flattened (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``, torchtitan's
+    choice): nested, its ``param_groups.0.*`` keys name a group by its index, and pipeline
+    stages, whose groups hold different parameters, would overwrite each other's in DCP."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     models = _modules(setup.model)
-    model_sd, optim_sd = get_state_dict(models if len(models) > 1 else models[0], setup.optimizer)
+    model_sd, optim_sd = get_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
+                                        options=_STATE_DICT_OPTIONS())
+    return {"model": model_sd, "optim": optim_sd, "rank": default_rank_state(setup)}
+
+
+def default_rank_state(setup: Any) -> dict[str, Any]:
+    """This rank's own part of a checkpoint: ``{"rng"}`` and, with one, ``{"lr_scheduler"}``."""
     rank: dict[str, Any] = {"rng": rng_state()}
     if setup.lr_scheduler is not None:
         rank["lr_scheduler"] = setup.lr_scheduler.state_dict()
-    return {"model": model_sd, "optim": optim_sd, "rank": rank}
+    return rank
 
 
 def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) -> None:
@@ -140,7 +156,7 @@ def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) 
 
     models = _modules(setup.model)
     set_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optim"])
+                   model_state_dict=state["model"], optim_state_dict=state["optim"], options=_STATE_DICT_OPTIONS())
     rank = state.get("rank", {})
     if "rng" in rank:
         set_rng_state(rank["rng"])

@@ -20,6 +20,7 @@ codes, evidence) and names the self-contained HTML report written to the test's 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,17 @@ def _current_test() -> str | None:
     return running.rsplit(" ", 1)[0] if running else None
 
 
-def _target(case: Case, trains: Any) -> Target:
-    """The run a check names: the test, else the strategy (or loop) and the case."""
+def _target(case: Case, trains: Any, glue: tuple[Any, Any] | None = None) -> Target:
+    """The run a check names: the test, else the strategy (or loop) and the case; ``glue``: a
+    loop's own checkpoint ``(save, load)``."""
     if is_train_fn(trains):
         name = f"{getattr(trains, '__name__', 'train')}-{case.name}"
-        return Target(name=_current_test() or name, case=case, train=trains)
+        return Target(name=_current_test() or name, case=case, train=trains, checkpoint_glue=glue)
     return Target(name=_current_test() or f"{trains.name}-{case.name}", case=case, strategy=trains)
+
+
+def _trains_name(trains: Any) -> str:
+    return getattr(trains, "__name__", "train") if is_train_fn(trains) else trains.name
 
 
 def assert_matches_reference(
@@ -142,8 +148,12 @@ def assert_resumes(
     workdir: str | os.PathLike[str] | None = None,
     cache: str | os.PathLike[str] | None = None,
     dst: int = 0,
+    save: Callable[[Any, Any, str], Any] | None = None,
+    load: Callable[[Any, Any, str], Any] | None = None,
 ) -> Any:
     """Collective: the resume check next to :func:`assert_matches_reference`. Train ``strategy``
+    (or a ``train(ctx, run)`` loop, with its own ``save(ctx, run, path)`` / ``load(ctx, run, path)``
+    or, without them, the harness's save of what it watched)
     to the end, saving a checkpoint after step ``at - 1`` (the run must match the reference);
     then set up ``into`` (another strategy on these ranks; default ``strategy``) afresh, load the
     checkpoint and train ``at`` .. end. Fails with the diagnosis unless the load is bitwise what
@@ -155,6 +165,12 @@ def assert_resumes(
     from harness.pipeline import diagnose_on_ranks
     from harness.record.checkpoint import CheckpointPlan
 
+    if (save is None) != (load is None) or (save is not None and not is_train_fn(strategy)):
+        raise TypeError("assert_resumes: save= and load= come together, with a train(ctx, run) loop (a strategy "
+                        "saves through checkpoint_state / load_checkpoint_state)")
+    if save is not None and into is not None and into is not strategy:
+        raise TypeError("assert_resumes: a loop with its own save/load resumes into itself (only its load reads its files)")
+    glue = (save, load) if save is not None else None
     into = into if into is not None else strategy
     current = _current()
     if workdir is None:
@@ -162,14 +178,14 @@ def assert_resumes(
     base = Path(broadcast_object(str(workdir) if workdir is not None else (tempfile.mkdtemp(prefix="harness-resume-")
                                                                              if ctx.rank == dst else None), dst))
     checkpoint = str(base / "checkpoint")
-    saving = _target(case, strategy)
+    saving = _target(case, strategy, glue)
     run = diagnose_on_ranks(saving, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance,
                             workdir=base / "saved", cache=cache, checkpoint=CheckpointPlan(checkpoint, at))
-    _fail_if_reported(run, f"{strategy.name}-{case.name}", dst, prefix="the run that saves the checkpoint fails on its own:\n")
+    _fail_if_reported(run, f"{_trains_name(strategy)}-{case.name}", dst, prefix="the run that saves the checkpoint fails on its own:\n")
     assert run.result is not None
-    resuming = _target(case, into)
+    resuming = _target(case, into, glue)
     resumed = diagnose_on_ranks(resuming, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance,
                                 workdir=base / "resumed", cache=cache,
                                 checkpoint=CheckpointPlan(checkpoint, at, resume=True, saved_record=run.result.record_path))
-    _fail_if_reported(resumed, f"{into.name}-{case.name}-resumed", dst)
+    _fail_if_reported(resumed, f"{_trains_name(into)}-{case.name}-resumed", dst)
     return broadcast_object(resumed.resume, dst)

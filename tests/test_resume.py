@@ -57,8 +57,10 @@ def test_resume_arguments_that_cannot_work_are_refused_with_the_allowed_values()
         diagnose_target("fsdp", resume_at=3)
     with pytest.raises(TargetError, match="need resume_at"):
         diagnose_target("fsdp", resume_into="tp")
-    with pytest.raises(TargetError, match="custom loop"):
-        diagnose_target("custom-example", resume_at=1)
+    with pytest.raises(TargetError, match="layout check"):
+        diagnose_target("seed-8gpu", resume_at=1)
+    with pytest.raises(TargetError, match="micro_batches 4 against 1"):
+        diagnose_target("gpipe", resume_at=1, resume_into="fsdp")
     with pytest.raises(TargetError, match="same case"):
         diagnose_target("fsdp", resume_at=1, resume_into="ddp")  # the MLP, not the transformer
     with pytest.raises(TargetError, match="one at a time"):
@@ -160,3 +162,158 @@ def test_assert_resumes_fails_with_the_named_load_bug(dist_ctx, reference_cache)
     message = str(failed.value)
     assert "resume-step-reset" in message and "saved 2.0, loaded 0.0" in message
     assert "html report:" in message
+
+
+# -- custom loops -------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["custom-example", "cases/pp_custom_example.py",
+                                    pytest.param("cases/tp_custom_example.py", marks=pytest.mark.slow)])
+def test_a_custom_loop_resumes_bitwise_through_the_harness_save(rank_runner, reference_cache, tmp_path, target: str) -> None:
+    # The harness saves what run.watch was given (DCP), loads it at the end of watch on fresh
+    # ranks, and the loop continues at run.start. The pipeline's stages hold different
+    # parameters: their optimizer param groups must not overwrite each other in DCP.
+    report = diagnose_target(target, resume_at=1, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    resume = report.resume
+    assert report.verdict.verdict == "pass", (report.verdict.to_dict(), resume)
+    assert resume["load_exact"] and resume["same_layout"] and resume["continuation"]["compared"] == "bitwise"
+    assert resume["compared"]["param"] > 0 and resume["compared"]["optim"] == 3 * resume["compared"]["param"]
+
+
+GLUE_LOOP = '''
+import dataclasses, functools, os
+import torch
+import torch.distributed as dist
+from cases.catalog import mlp_case
+from harness.parallel_dims import RankLayout
+
+CASE = dataclasses.replace(mlp_case("sgd", steps=4), lr_scheduler_factory=functools.partial(
+    torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5))
+NPROC = 2
+
+
+def train(ctx, run):
+    model = CASE.build_model(ctx.device)
+    optimizer = CASE.build_optimizer(model.parameters())
+    scheduler = CASE.build_lr_scheduler(optimizer)
+    run.watch(model, optimizer, RankLayout.data_parallel(ctx.rank, ctx.world_size), lr_scheduler=scheduler)
+    for step in range(run.start, run.steps):
+        for batch in run.batches(step):
+            loss = CASE.forward_loss(model, batch)
+            (loss * run.loss_weight(batch)).backward()
+            run.loss(step, loss, batch.ids)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        run.before_step(step)
+        optimizer.step()
+        scheduler.step()
+        run.after_step(step)
+        optimizer.zero_grad()
+
+
+def save(ctx, run, path):
+    torch.save({"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+                "scheduler": run.lr_scheduler.state_dict()}, os.path.join(path, f"rank{ctx.rank}.pt"))
+
+
+def load(ctx, run, path):
+    state = torch.load(os.path.join(path, f"rank{ctx.rank}.pt"), weights_only=True)
+    run.model.load_state_dict(state["model"])
+    LOAD_OPTIMIZER
+    run.lr_scheduler.load_state_dict(state["scheduler"])
+'''
+
+
+@pytest.mark.parametrize("load_optimizer, code", [("run.optimizer.load_state_dict(state['optimizer'])", None),
+                                                  ("pass  # BUG: the momentum buffers start over", "resume-state-missing")])
+def test_a_custom_loop_resumes_through_its_own_save_and_load(rank_runner, reference_cache, tmp_path,
+                                                            load_optimizer: str, code: str | None) -> None:
+    target = tmp_path / "glue_loop.py"
+    target.write_text(GLUE_LOOP.replace("LOAD_OPTIMIZER", load_optimizer))
+    report = diagnose_target(str(target), resume_at=2, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    resume = report.resume
+    assert (tmp_path / "run" / "checkpoint" / "loop" / "rank1.pt").is_file()  # the loop's own files, where path said
+    if code is None:
+        assert report.verdict.verdict == "pass", (report.verdict.to_dict(), resume)
+        assert resume["load_exact"] and resume["continuation"]["compared"] == "bitwise"
+    else:
+        # Named at load time, with the entries and before any loss moves.
+        assert code in report.verdict.codes, report.verdict.to_dict()
+        missing = [d for d in resume["gate"] if d["code"] == code]
+        assert {d["name"] for d in missing} >= {"fc1.weight.momentum_buffer"}, missing
+
+
+def test_a_custom_loop_that_ignores_run_start_is_told_so(rank_runner, reference_cache, tmp_path) -> None:
+    target = tmp_path / "from_zero.py"
+    target.write_text(open("cases/custom_example.py").read().replace("range(run.start, run.steps)", "range(run.steps)"))
+    report = diagnose_target(str(target), resume_at=1, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.verdict == "error"
+    assert "range(run.start, run.steps)" in format_terminal(report)
+
+
+def test_checkpoint_glue_is_both_functions_of_the_file_with_ctx_run_path(tmp_path) -> None:
+    from harness.targets.target import load_target
+
+    head = "from cases.catalog import mlp_case\nCASE = mlp_case()\ndef train(ctx, run):\n    pass\n"
+    cases = {
+        "only_save.py": (head + "def save(ctx, run, path):\n    pass\n", "but not load"),
+        "bad_args.py": (head + "def save(ctx, run):\n    pass\ndef load(ctx, run, path):\n    pass\n", "takes \\(ctx, run, path\\)"),
+        "imported.py": (head + "from torch import save, load\n", None),
+        "both.py": (head + "def save(ctx, run, path):\n    pass\ndef load(ctx, run, path):\n    pass\n", None),
+    }
+    for name, (text, error) in cases.items():
+        (tmp_path / name).write_text(text)
+        if error is not None:
+            with pytest.raises(TargetError, match=error):
+                load_target(str(tmp_path / name))
+        else:
+            glue = load_target(str(tmp_path / name)).checkpoint_glue
+            assert (glue is None) == (name == "imported.py"), name
+    with pytest.raises(TargetError, match="resumes into itself"):
+        diagnose_target(str(tmp_path / "both.py"), resume_at=1, resume_into="custom-example")
+
+
+def test_an_rng_nobody_draws_from_after_the_resume_is_a_note_not_a_bug(rank_runner, reference_cache, tmp_path) -> None:
+    # The loop draws a number it never uses, and its load does not restore the generator: the
+    # state differs, but nothing the run computes depends on it (no draw in the forward).
+    target = tmp_path / "unused_rng.py"
+    target.write_text(GLUE_LOOP.replace("LOAD_OPTIMIZER", "run.optimizer.load_state_dict(state['optimizer'])")
+                      .replace("        for batch in run.batches(step):", "        torch.rand(1)  # a log line's jitter\n"
+                               "        for batch in run.batches(step):", 1))
+    report = diagnose_target(str(target), resume_at=2, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    resume = report.resume
+    assert report.verdict.verdict == "pass", (report.verdict.to_dict(), resume)
+    assert any("RNG was not restored" in n and "cannot change the run" in n for n in resume["notes"]), resume["notes"]
+    assert "note: rank 0's RNG was not restored" in format_terminal(report)
+
+
+def test_a_custom_loop_that_records_before_its_scheduler_steps_is_told_the_order(rank_runner, reference_cache, tmp_path) -> None:
+    target = tmp_path / "late_scheduler.py"
+    target.write_text(GLUE_LOOP.replace("LOAD_OPTIMIZER", "pass")
+                      .replace("        scheduler.step()\n        run.after_step(step)\n",
+                               "        run.after_step(step)\n        scheduler.step()\n"))
+    report = diagnose_target(str(target), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.verdict == "error"
+    assert "optimizer.step(), lr_scheduler.step(), then run.after_step(step)" in format_terminal(report)
+
+
+@pytest.mark.distributed(nproc=2)
+def test_assert_resumes_takes_a_custom_loop_and_its_own_checkpoint_code(dist_ctx, reference_cache) -> None:
+    from cases.bugs import resume_custom_loop_scheduler_forgotten as bug
+    from cases.custom_example import CASE, train
+
+    check = assert_resumes(CASE, train, dist_ctx, at=1, cache=reference_cache)
+    assert check.passed and check.load_exact and check.same_layout
+    with pytest.raises(AssertionError, match="resume-scheduler-not-restored"):
+        assert_resumes(bug.CASE, bug.train, dist_ctx, at=2, save=bug.save, load=bug.load, cache=reference_cache)
+    with pytest.raises(TypeError, match="come together"):
+        assert_resumes(CASE, train, dist_ctx, at=1, save=bug.save)
+
+
+def test_hand_sharded_weights_resume_into_a_replicated_layout(rank_runner, reference_cache, tmp_path) -> None:
+    # manual-tp holds plain tensors with annotate_shard: saved as DTensors Shard(dim) over their
+    # group, so DCP writes every rank's slice and DDP's whole weights load from them.
+    report = diagnose_target("manual-tp", resume_at=1, resume_into="ddp", runner=rank_runner, cache=reference_cache,
+                             workdir=tmp_path)
+    resume = report.resume
+    assert report.verdict.verdict == "pass", (report.verdict.to_dict(), resume)
+    assert resume["load_exact"] and not resume["same_layout"]

@@ -74,6 +74,7 @@ class ResumeCheck:
     not_transferable: list[dict[str, Any]] = field(default_factory=list)
     continuation: dict[str, Any] = field(default_factory=dict)
     into: str = ""  # the resumed run's target, for the sentences
+    notes: list[str] = field(default_factory=list)  # differences that cannot change the run, said, not named
 
     @property
     def load_exact(self) -> bool:
@@ -118,6 +119,7 @@ class ResumeCheck:
             "load_exact": self.load_exact,
             "gate": [asdict(d) | {"line": d.line()} for d in self.gate], "compared": self.compared,
             "not_transferable": self.not_transferable, "continuation": self.continuation, "passed": self.passed,
+            "notes": self.notes,
         }
 
     def lines(self) -> list[str]:
@@ -127,6 +129,7 @@ class ResumeCheck:
                + " (" + ", ".join(f"{n} {k}" for k, n in self.compared.items()) + ")"]
         out += [f"  {d.code}: {d.line()}" for d in self.gate[:6]]
         out += [f"  not transferable to {n['world']} ranks: {n['state']} ({n['why']})" for n in self.not_transferable]
+        out += [f"  note: {n}" for n in self.notes]
         cont = self.continuation
         if cont.get("first_difference"):
             f = cont["first_difference"]
@@ -240,7 +243,11 @@ def _gate_ranks(resumed: Record, checkpoint: str, check: ResumeCheck) -> None:
                 check.not_transferable.append(lost)
         state, _ = saved_rank_state(checkpoint, rank, check.world)
         want, have = saved_view(state), entry.get("view") or {}
-        if "rng" in want and want["rng"] != have.get("rng"):
+        if "rng" in want and want["rng"] != have.get("rng") and not _draws_after(resumed, rank, check.at):
+            # A generator nobody draws from after the resume cannot change the run: said, not named.
+            check.notes.append(f"rank {rank}'s RNG was not restored, but the resumed run draws no random numbers "
+                               f"there (none logged from step {check.at} on): it cannot change the run")
+        elif "rng" in want and want["rng"] != have.get("rng"):
             check.gate.append(GateDifference("resume-rng-not-restored", "rng", rank=rank, detail={
                 "saved_first_draw": float.fromhex(want["rng"]["first_draw"]),
                 "loaded_first_draw": float.fromhex(have["rng"]["first_draw"]) if have.get("rng") else None}))
@@ -251,6 +258,18 @@ def _gate_ranks(resumed: Record, checkpoint: str, check: ResumeCheck) -> None:
                 check.gate.append(GateDifference("resume-scheduler-not-restored", "lr_scheduler", rank=rank, detail={
                     "saved_last_epoch": w.get("last_epoch"), "loaded_last_epoch": h.get("last_epoch"),
                     "saved_last_lr": w.get("_last_lr"), "loaded_last_lr": h.get("_last_lr")}))
+
+
+def _draws_after(resumed: Record, rank: int, at: int) -> bool:
+    """Whether ``rank`` drew random numbers in the resumed run's steps ``at..``: the draw log
+    (kept when the case's forward draws, reference.draws.forward_draws_random_numbers), or a
+    log that overflowed. No log: the forward draws none, and a draw elsewhere in the loop shows
+    in the continuation, which names a departure."""
+    for step in range(at, resumed.num_steps):
+        extra = resumed.step(step).extra
+        if extra.get("draws_overflowed") or (extra.get("draws") or {}).get(str(rank)):
+            return True
+    return False
 
 
 def _gate_samples(saved: Record, resumed: Record, at: int, check: ResumeCheck) -> None:

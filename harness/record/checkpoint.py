@@ -11,6 +11,17 @@ What a checkpoint holds, and where:
   loader's position) - state DCP's resharding cannot map;
 - ``manifest.json``: the step it was saved after, the world size, the strategy and case.
 
+Hand-sharded tensors (a plain tensor holding this rank's slice, declared with ``run.shard`` /
+:func:`~harness.record.gather.annotate_shard` or by Megatron-Core's layers) go to DCP as DTensors
+sharded over their group: DCP takes a plain tensor for a replicated one and writes rank 0's
+copy alone, which would load rank 0's slice on every rank.
+
+A custom loop takes part through :class:`LoopCheckpoint`: the harness's own save (the watched
+model and optimizer through DCP, the RNG, the lr scheduler given to ``run.watch``), or the
+target file's ``save(ctx, run, path)`` / ``load(ctx, run, path)``, the loop's own checkpoint
+code; the harness then still writes each rank's RNG and scheduler state, as the gate's witness
+of what was saved.
+
 A strategy takes part through two optional methods (:class:`harness.strategy.StrategyBase` has
 the defaults below): ``checkpoint_state(case, setup) -> dict`` (``{"model", "optim", "rank"}``)
 and ``load_checkpoint_state(case, setup, state)``. A strategy that keeps more state adds it under
@@ -37,12 +48,13 @@ import torch.distributed as dist
 from reference.files import write_atomic
 
 from harness.record.recorder import _rank_world
-from harness.strategy import default_checkpoint_state, load_default_checkpoint_state, rng_state
+from harness.strategy import default_checkpoint_state, default_rank_state, load_default_checkpoint_state, rng_state
 
 __all__ = [
     "CheckpointError",
     "CheckpointPlan",
     "LoadedCheckpoint",
+    "LoopCheckpoint",
     "default_checkpoint_state",
     "load_checkpoint",
     "load_default_checkpoint_state",
@@ -90,13 +102,103 @@ def rng_view(state: dict[str, torch.Tensor]) -> dict[str, Any]:
     return view
 
 
-def _state_of(strategy: Any, case: Any, setup: Any) -> dict[str, Any]:
-    hook = getattr(strategy, "checkpoint_state", None)
+def _state_of(strategy: Any, case: Any, setup: Any, *, template: bool = False) -> dict[str, Any]:
+    """What ``strategy`` saves; ``template``: the state a load fills in, from its
+    ``checkpoint_template`` when it has one (a custom loop's own save must not run at a load)."""
+    hook = (getattr(strategy, "checkpoint_template", None) if template else None) or getattr(strategy, "checkpoint_state", None)
     state = hook(case, setup) if hook is not None else default_checkpoint_state(case, setup)
     if not isinstance(state, dict) or any(k not in state for k in (*SHARDED_KEYS, "rank")):
         raise CheckpointError(f"strategy {strategy.name!r}: checkpoint_state must return a dict with 'model', 'optim' "
                               f"and 'rank', got {sorted(state) if isinstance(state, dict) else type(state).__name__}")
     return state
+
+
+# -- hand-sharded tensors as DTensors ----------------------------------------------------------
+def _hand_shards(model: Any, sharded: dict[str, Any]) -> dict[str, Any]:
+    """``{fqn: ShardSpec}`` of the model state dict's entries that are hand-sharded plain
+    tensors (matched to the model's parameters by storage, as ``get_state_dict`` returns them)."""
+    from harness.record.gather import shard_spec
+
+    modules = [model] if isinstance(model, torch.nn.Module) else list(model or [])
+    by_storage = {}
+    for module in modules:
+        for p in module.parameters():
+            spec = shard_spec(p)
+            if spec is not None and not _is_dtensor(p):
+                by_storage[(p.data_ptr(), tuple(p.shape))] = spec
+    if not by_storage:
+        return {}
+    found = {}
+    for fqn, t in (sharded.get("model") or {}).items():
+        if isinstance(t, torch.Tensor) and not _is_dtensor(t) and (t.data_ptr(), tuple(t.shape)) in by_storage:
+            found[fqn] = by_storage[(t.data_ptr(), tuple(t.shape))]
+    return found
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _as_dtensors(sharded: dict[str, Any], specs: dict[str, Any]) -> dict[str, Any]:
+    """Collective over each hand shard's group: a copy of ``sharded`` whose hand-sharded entries
+    (and their optimizer state of the same shape) are DTensors ``Shard(dim)`` over the group, with
+    the full shape; slices that ``torch.chunk`` would not cut (uneven in another way) are refused."""
+    if not specs:
+        return sharded
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = dict(sharded["model"])
+    optim = dict(sharded.get("optim") or {})  # flattened: "state.<fqn>.<key>" (default_checkpoint_state)
+    meshes: dict[int, Any] = {}
+    for fqn in sorted(specs):
+        spec, local = specs[fqn], model[fqn]
+        group = spec.process_group()
+        sizes: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(sizes, int(local.shape[spec.dim]), group=group)
+        full = sum(sizes)
+        if sizes != [len(c) for c in torch.empty(full).chunk(len(sizes))]:
+            raise CheckpointError(f"the hand-sharded tensor {fqn!r} holds slices of {sizes} along dim {spec.dim}, which "
+                                  f"torch.chunk does not cut from {full}: DCP's Shard placement cannot describe them; "
+                                  "give the target its own save(ctx, run, path) / load(ctx, run, path)")
+        mesh = meshes.get(id(group))
+        if mesh is None:
+            mesh = meshes[id(group)] = DeviceMesh.from_group(group, local.device.type)
+        shape = list(local.shape)
+        shape[spec.dim] = full
+
+        def wrap(t: torch.Tensor) -> Any:
+            return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+
+        model[fqn] = wrap(local)
+        for key in _optim_keys(optim, fqn):
+            if isinstance(optim[key], torch.Tensor) and optim[key].shape == local.shape:
+                optim[key] = wrap(optim[key])
+    return {**sharded, "model": model, "optim": optim}
+
+
+def _optim_keys(optim: dict[str, Any], fqn: str) -> list[str]:
+    """The flattened optimizer state's keys of parameter ``fqn`` (``state.<fqn>.<name>``)."""
+    prefix = f"state.{fqn}."
+    return [k for k in optim if k.startswith(prefix) and "." not in k[len(prefix):]]
+
+
+def _as_local(wrapped: dict[str, Any], specs: dict[str, Any]) -> dict[str, Any]:
+    """The loaded ``wrapped`` with the entries :func:`_as_dtensors` wrapped (``specs``) back as
+    this rank's plain slices; the model's own DTensors (TP, FSDP2) stay DTensors."""
+    if not specs:
+        return wrapped
+
+    model = dict(wrapped["model"])
+    optim = dict(wrapped.get("optim") or {})
+    for fqn in specs:
+        for entries, key in [(model, fqn)] + [(optim, k) for k in _optim_keys(optim, fqn)]:
+            if _is_dtensor(entries[key]):
+                entries[key] = entries[key].to_local()
+    return {**wrapped, "model": model, "optim": optim}
 
 
 # -- save and load ------------------------------------------------------------------------------
@@ -107,7 +209,8 @@ def save_checkpoint(path: str | os.PathLike[str], case: Any, strategy: Any, setu
     rank, world = _rank_world()
     root = Path(path)
     state = _state_of(strategy, case, setup)
-    dcp.save({k: state[k] for k in SHARDED_KEYS}, checkpoint_id=str(root / DCP_DIR))
+    sharded = {k: state[k] for k in SHARDED_KEYS}
+    dcp.save(_as_dtensors(sharded, _hand_shards(setup.model, sharded)), checkpoint_id=str(root / DCP_DIR))
     mine = rank_file(root, rank)
     mine.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -213,10 +316,12 @@ def load_checkpoint(path: str | os.PathLike[str], case: Any, strategy: Any, setu
 
     rank, world = _rank_world()
     manifest = read_manifest(path)
-    template = _state_of(strategy, case, setup)
-    sharded = {k: template[k] for k in SHARDED_KEYS}
+    template = _state_of(strategy, case, setup, template=True)
+    specs = _hand_shards(setup.model, template)
+    sharded = _as_dtensors({k: template[k] for k in SHARDED_KEYS}, specs)
     try:
         dcp.load(sharded, checkpoint_id=str(Path(path) / DCP_DIR))
+        sharded = _as_local(sharded, specs)
     except Exception as exc:
         raise CheckpointError(f"the checkpoint {path} (saved by {manifest.get('strategy')!r} on {manifest.get('world_size')} "
                               f"ranks) does not load into {strategy.name!r} on {world}: {type(exc).__name__}: {exc}") from exc
@@ -229,3 +334,60 @@ def load_checkpoint(path: str | os.PathLike[str], case: Any, strategy: Any, setu
         load_default_checkpoint_state(case, setup, state)
     return LoadedCheckpoint(at=int(manifest["at"]), saved_world=int(manifest["world_size"]), not_transferable=lost,
                             view=loaded_view(setup))
+
+
+# -- custom loops -------------------------------------------------------------------------------
+LOOP_DIR = "loop"  # where a target's own save(ctx, run, path) writes
+
+
+class LoopCheckpoint:
+    """A custom loop's checkpoint, in the shape :func:`save_checkpoint` and :func:`load_checkpoint`
+    take (the strategy and its setup in one): the objects the loop handed to ``run.watch``
+    (``model``, ``optimizer``, ``lr_scheduler``), and ``glue``, the target file's
+    ``(save, load)`` functions or None for the harness's own save. With ``glue`` the loop's code
+    saves and restores everything; the harness's per-rank file is then only the witness of the
+    RNG and scheduler state at the save, which the gate compares with what the loop's load left."""
+
+    name = "custom"
+
+    def __init__(self, run: Any, path: str | os.PathLike[str], glue: tuple[Any, Any] | None = None):
+        self.run = run
+        self.path = Path(path)
+        self.glue = glue
+
+    @property
+    def model(self) -> Any:
+        return self.run.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.run.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.run.lr_scheduler
+
+    def checkpoint_state(self, case: Any, setup: Any) -> dict[str, Any]:
+        if self.glue is None:
+            if getattr(self.run, "recorder", None) is not None and self.run.recorder.reader is not None:
+                raise CheckpointError("the watched DeepSpeed ZeRO engine keeps its state in its own partitions: give the "
+                                      "target save(ctx, run, path) / load(ctx, run, path) that call engine.save_checkpoint "
+                                      "/ engine.load_checkpoint")
+            return default_checkpoint_state(case, self)
+        witness = default_rank_state(self)  # before the loop's own save can draw from the RNG
+        (self.path / LOOP_DIR).mkdir(parents=True, exist_ok=True)
+        self.glue[0](self.run.ctx, self.run, str(self.path / LOOP_DIR))
+        return {"model": {}, "optim": {}, "rank": witness}
+
+    def checkpoint_template(self, case: Any, setup: Any) -> dict[str, Any]:
+        """What a load fills: the harness's own state, or nothing with the loop's glue (its load
+        reads its own files) but the per-rank witness."""
+        if self.glue is None:
+            return self.checkpoint_state(case, setup)
+        return {"model": {}, "optim": {}, "rank": {}}
+
+    def load_checkpoint_state(self, case: Any, setup: Any, state: dict[str, Any]) -> None:
+        if self.glue is None:
+            load_default_checkpoint_state(case, self, state)
+        else:
+            self.glue[1](self.run.ctx, self.run, str(self.path / LOOP_DIR))

@@ -61,8 +61,15 @@ class CustomRun:
 
     def __init__(
         self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0, tracer: Any = None,
-        digests: bool = False,
+        digests: bool = False, checkpoint: Any = None, checkpoint_glue: tuple[Any, Any] | None = None,
     ):
+        # A harness.record.checkpoint.CheckpointPlan: save after step at-1, or resume from it;
+        # checkpoint_glue: the target file's (save, load), else the harness's own save.
+        self.checkpoint = checkpoint
+        self.checkpoint_glue = checkpoint_glue
+        self.optimizer: Any = None
+        self.lr_scheduler: Any = None
+        self.objects: dict[str, Any] = {}
         self.digests = digests  # RankRecorder's: each rank's local state bitwise, for --repeat
         self.tracer = tracer  # a harness.tracing.Tracer: samples, groups and collectives of the loop
         self._traced_step: int | None = None
@@ -75,11 +82,19 @@ class CustomRun:
         self.model: Any = None
         self.probe: Any = None  # harness.record.probe.ActivationProbe once watch() was called
         self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
+        self._hook_step = False
         self.steps_done = 0  # steps recorded to the end (after_step calls)
 
     @property
     def steps(self) -> int:
         return self.case.steps
+
+    @property
+    def start(self) -> int:
+        """The first step this loop trains: 0, or the step a resumed run continues at (its
+        checkpoint was loaded in :meth:`watch`). Loop over ``range(run.start, run.steps)``."""
+        plan = self.checkpoint
+        return plan.at if plan is not None and plan.resume else 0
 
     @property
     def step(self) -> int:
@@ -100,6 +115,8 @@ class CustomRun:
         *,
         names: Mapping[str, str] | Callable[[str], str] | None = None,
         hook_step: bool = False,
+        lr_scheduler: Any = None,
+        objects: Mapping[str, Any] | None = None,
     ) -> None:
         """Collective: record ``model``/``optimizer`` from now on. ``layout`` says which
         data-parallel replica / pipeline stage / mesh coordinate this rank is (default: plain
@@ -112,7 +129,14 @@ class CustomRun:
         engine alone (its ZeRO partitions read through DeepSpeed's own accessors).
         ``hook_step=True``: the harness records at the framework's own optimizer step (torch's
         step hooks; DeepSpeed's ZeRO step), so the loop calls neither :meth:`before_step` nor
-        :meth:`after_step`; it passes :attr:`step` to :meth:`loss` and stops at :attr:`done`."""
+        :meth:`after_step`; it passes :attr:`step` to :meth:`loss` and stops at :attr:`done`.
+
+        For the resume check (``--resume-at K``): ``lr_scheduler`` (stepped by the loop before
+        :meth:`after_step`, as the reference steps it right after the optimizer) is saved and restored with the
+        model and optimizer (and compared by the load gate); ``objects`` (``{"loader": loader}``)
+        are what a target's own ``save(ctx, run, path)`` / ``load(ctx, run, path)`` reach as
+        ``run.objects``. A resumed run loads its checkpoint here, at the end of ``watch``: the
+        loop then trains ``range(run.start, run.steps)``."""
         if self.recorder is not None:
             raise RecorderError("run.watch() was called twice; call it once, after building the model and optimizer")
         from harness.record.frameworks import hook_step as install_step_hooks
@@ -127,6 +151,9 @@ class CustomRun:
                 rename_parameters(module, names)
         self.layout = layout or RankLayout.data_parallel(self.ctx.rank, self.ctx.world_size)
         self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.objects = dict(objects or {})
         # The activation probe, as for bundled strategies: module outputs of the first forward
         # (tp-partial-sum, dropout masks), collected after the run.
         from harness.record.probe import ActivationProbe
@@ -145,9 +172,56 @@ class CustomRun:
                 source="custom", dst=self.dst, overwrite=True, reader=reader, digests=self.digests,
             )
         self._build_layout_groups()
+        self._hook_step = hook_step
         if hook_step:
             install_step_hooks(handed, optimizer, self._hooked_before, self._hooked_after)
+        if self.start:
+            self._resume()
         self.recorder.start_draws()  # the loop's draws until before_step, for the reference to replay
+
+    def _loop_checkpoint(self) -> Any:
+        from harness.record.checkpoint import LoopCheckpoint
+
+        return LoopCheckpoint(self, self.checkpoint.path, self.checkpoint_glue)
+
+    def _resume(self) -> None:
+        """Collective: load the checkpoint into the watched objects, then record the loaded
+        state as step ``start - 1`` (what the load gate compares with the saving run)."""
+        from reference.record import Record
+
+        from harness.record.checkpoint import load_checkpoint
+
+        assert self.recorder is not None
+        plan, state = self.checkpoint, self._loop_checkpoint()
+        with self._harness_phase():
+            loaded = load_checkpoint(plan.path, self.case, state, state)
+            saved = Record.load(plan.saved_record) if self.ctx.rank == self.dst and plan.saved_record else None
+            self.recorder.resumed(saved, plan.at, loaded)
+        self._hooked_steps = self.steps_done = plan.at
+
+    def _save_if_due(self, step: int) -> None:
+        plan = self.checkpoint
+        if plan is None or plan.resume or step + 1 != plan.at:
+            return
+        from harness.record.checkpoint import save_checkpoint
+
+        state = self._loop_checkpoint()
+        with self._harness_phase():
+            save_checkpoint(plan.path, self.case, state, state, at=plan.at)
+
+    def _check_scheduler_stepped(self, step: int) -> None:
+        """The watched lr scheduler has stepped for ``step`` already: the reference records (and
+        a checkpoint saves) the lr of the next step, as after ``optimizer.step(); scheduler.step()``."""
+        epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        if isinstance(epoch, int) and epoch == step and not self._hook_step:  # a step hook runs before any scheduler
+            raise RecorderError(f"run.after_step({step}) came before lr_scheduler.step(): the harness records the state "
+                                "after the whole update (the next step's lr, as the reference has it) and saves "
+                                "checkpoints there; call optimizer.step(), lr_scheduler.step(), then run.after_step(step)")
+
+    def _check_resumed_step(self, step: int, hook: str) -> None:
+        if step < self.start:
+            raise RecorderError(f"run.{hook}(step {step}) in a run resumed at step {self.start}: the checkpoint of step "
+                                f"{self.start - 1} was loaded in run.watch, so the loop trains range(run.start, run.steps)")
 
     def _hooked_before(self) -> None:
         if not self.done:
@@ -223,6 +297,7 @@ class CustomRun:
         no loss). ``normaliser``: what that loss is a mean over (its valid tokens), by which the
         harness combines the replicas' and micro-batches' pieces; default the case's
         ``loss_normaliser`` of those samples, else their number."""
+        self._check_resumed_step(step, "loss")
         if normaliser is None and self.case.loss_normaliser is not None:
             normaliser = self.case.normaliser(self._collate_ids(sample_ids, step))
         self._rec("loss").micro_batch(step, loss, sample_ids, normaliser)
@@ -251,6 +326,7 @@ class CustomRun:
     def before_step(self, step: int) -> None:
         """Collective: call just before ``optimizer.step()`` (records full gradients)."""
         rec = self._rec("before_step")
+        self._check_resumed_step(step, "before_step")
         self._step(step)
         rec.stop_draws()  # inside the tracer's log: the modes are a stack
         if self.tracer is not None:
@@ -263,8 +339,10 @@ class CustomRun:
     def after_step(self, step: int) -> None:
         """Collective: call just after ``optimizer.step()`` (parameters, optimizer state)."""
         rec = self._rec("after_step")
+        self._check_scheduler_stepped(step)
         with self._harness_phase():
             rec.after_step(step)
+        self._save_if_due(step)
         self.steps_done += 1
         rec.start_draws()  # the next step's
         if self.tracer is not None:

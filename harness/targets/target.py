@@ -69,6 +69,9 @@ class Target:
     resume_at: int | None = None
     resume_into: str | None = None
     resume_nproc: int | None = None
+    # A custom loop's own checkpoint code, (save, load): the file's save(ctx, run, path) and
+    # load(ctx, run, path); None: the harness saves the watched objects (harness.record.checkpoint).
+    checkpoint_glue: tuple[Callable[..., Any], Callable[..., Any]] | None = None
     expected_code: str | None = None
     source: str = ""  # the module file it came from
     description: str = ""
@@ -160,6 +163,28 @@ def _signature_text(obj: Any) -> str:
         return repr(obj)
 
 
+def _checkpoint_glue(module: ModuleType, where: str) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """A custom loop file's ``save(ctx, run, path)`` and ``load(ctx, run, path)``: functions
+    defined in the file itself (a ``save`` imported from torch or pickle is not glue), both or
+    neither."""
+    found = {}
+    for name in ("save", "load"):
+        fn = getattr(module, name, None)
+        if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+            params = [p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if len(params) < 3 or any(p.default is not p.empty for p in params[:3]):
+                raise TargetError(f"{where}: {_signature_text(fn)} is not checkpoint glue: it takes (ctx, run, path), "
+                                  "path being the folder the loop's checkpoint lives in")
+            found[name] = fn
+    if not found:
+        return None
+    if len(found) == 1:
+        have, lacking = next(iter(found)), ({"save", "load"} - set(found)).pop()
+        raise TargetError(f"{where} defines {have}(ctx, run, path) but not {lacking}(ctx, run, path): a custom loop's own "
+                          "checkpoint code needs both (or neither: the harness then saves the watched objects)")
+    return found["save"], found["load"]
+
+
 def target_from_module(module: ModuleType, name: str | None = None, *, label: str | None = None) -> Target:
     where = label or getattr(module, "__file__", module.__name__)
     if name is not None:
@@ -222,6 +247,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     resume_into = getattr(module, "RESUME_INTO", None)
     if resume_into is not None and not isinstance(resume_into, str):
         raise TargetError(f"{where}: RESUME_INTO must be a target name or path (a str), got {resume_into!r}")
+    glue = _checkpoint_glue(module, where) if train is not None else None
     doc = (module.__doc__ or "").strip().splitlines()
     return Target(
         name=label or Path(getattr(module, "__file__", module.__name__)).stem + (f":{name}" if name else ""),
@@ -235,6 +261,7 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
         resume_at=resume["RESUME_AT"],
         resume_into=resume_into,
         resume_nproc=resume["RESUME_NPROC"],
+        checkpoint_glue=glue,
         expected_code=getattr(module, "EXPECTED_CODE", None),
         source=getattr(module, "__file__", "") or "",
         description=doc[0] if doc else "",
