@@ -64,6 +64,22 @@ def test_a_bug_on_gpus_is_named(nccl_runner, reference_cache, tmp_path) -> None:
     assert report.codes == ["grad-double-averaged"], report.verdict.to_dict()
 
 
+@needs_gpus(1)
+def test_fsdp_on_gpus_resumes_bitwise_with_the_cuda_rng_in_the_checkpoint(nccl_runner, reference_cache, tmp_path) -> None:
+    # DCP on NCCL: the same API, written from each rank's device memory; each rank's file holds
+    # the CUDA generator beside the CPU one, and the gate compares both.
+    from harness.pipeline import diagnose_target
+    from harness.record.checkpoint import rank_file
+
+    report = diagnose_target("fsdp", nproc=min(GPUS, 2), steps=4, resume_at=2, runner=nccl_runner, cache=reference_cache,
+                             workdir=tmp_path)
+    resume = report.resume
+    assert report.verdict.verdict == "pass", (report.verdict.to_dict(), resume)
+    assert resume["load_exact"] and resume["continuation"]["compared"] == "bitwise"
+    saved = torch.load(rank_file(tmp_path / "checkpoint", 0), weights_only=True)
+    assert "cuda" in saved["rng"], sorted(saved["rng"])
+
+
 @needs_gpus(2)
 def test_a_hang_on_nccl_is_named_from_flight_recorder(nccl_runner) -> None:
     from harness.tracing import diagnose_hang

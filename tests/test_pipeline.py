@@ -41,6 +41,7 @@ def test_pipeline_matches_the_reference(dist_ctx, tmp_path, reference_cache, sch
         assert len(step.micro_sample_ids) == 4 and sorted(step.sample_ids) == sorted(i for m in step.micro_sample_ids for i in m)
 
 
+@pytest.mark.slow  # 4 ranks; the 2-stage schedules run in the default suite, dp x pp on 4 too
 @pytest.mark.distributed(nproc=4)
 def test_four_stage_1f1b_matches_the_reference(dist_ctx, tmp_path, reference_cache) -> None:
     result = run_strategy(transformer_case(micro_batches=4), PipelineStrategy("1f1b"), dist_ctx, workdir=tmp_path, cache=reference_cache)

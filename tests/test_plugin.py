@@ -404,7 +404,8 @@ def test_hangs(dist_ctx):
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+# Both signals reach the same handler (terminate_as_interrupt); the default suite sends SIGTERM.
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_and_sigterm_leave_no_rank_behind(pytester, monkeypatch, signum):
     """Ctrl-C, or SIGTERM (a CI runner cancelling the job), mid-test: the session ends at
     once as interrupted, and no rank outlives it."""
@@ -714,7 +715,8 @@ def test_next_gets_its_own_result(dist_ctx):
 """
 
 
-@pytest.mark.parametrize("method", ["signal", "thread"])
+# The thread method ends the whole session (the simpler case); the default suite keeps signal's.
+@pytest.mark.parametrize("method", ["signal", pytest.param("thread", marks=pytest.mark.slow)])
 def test_pytest_timeout_leaves_no_pool_running_the_old_body(pytester, monkeypatch, method):
     """pytest-timeout fails a distributed test from the pytest process. signal: the harness
     kills the ranks running that body (they never finish it), and the next test runs on a
