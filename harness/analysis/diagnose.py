@@ -227,7 +227,25 @@ class Analysis:
             found += causes or self._replica_divergence(found)
         if not self.cmp.passed and not found:
             found.append(self._numeric_mismatch())
-        return _dedupe(found)
+        found = _dedupe(found)
+        self._locate(found)
+        return found
+
+    def _locate(self, found: list[Diagnosis]) -> None:
+        """Where a failed run departs (harness.analysis.divergence), on every diagnosis as
+        ``evidence["first_divergent_op"]``; nothing for a passed run or without evidence."""
+        if self.cmp.passed or not found:
+            return
+        from harness.analysis.divergence import first_divergence_location
+
+        try:
+            where = first_divergence_location(self.cmp, self.probe, self.case)
+        except Exception as exc:  # noqa: BLE001 - a replay that fails must not hide the diagnosis
+            self.cmp.notes.append(f"first divergence not located: {type(exc).__name__}: {exc}")
+            return
+        if where is not None:
+            for d in found:
+                d.evidence.setdefault("first_divergent_op", where)
 
     # -- trace checks (harness.tracing) --------------------------------------------------------
 

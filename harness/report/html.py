@@ -78,6 +78,18 @@ def _loss_plot(report: DiagnosisReport) -> str:
     return svg
 
 
+def _where(loc: Any) -> str:
+    """Where the run departs (harness.analysis.divergence), as one row of a numerics table."""
+    if not isinstance(loc, dict):
+        return ""
+    cells = [loc.get("phase"), loc.get("module"), loc.get("module_type") or loc.get("op"), loc.get("rank"),
+             f"{loc.get('max_abs', 0.0):.3g}", json.dumps(loc.get("tolerance")), loc.get("compared")]
+    head = "".join(f"<th>{h}</th>" for h in ("phase", "module", "type / op", "rank", "max abs", "tolerance", "compared with"))
+    row = "".join(f"<td>{_e(str(c))}</td>" for c in cells)
+    return (f"<p class='where'><b>where it departs:</b> {_e(loc.get('line', ''))}</p>"
+            f"<table class='numerics'><tr>{head}</tr><tr class='first'>{row}</tr></table>")
+
+
 def _diagnoses(report: DiagnosisReport) -> str:
     v = report.verdict
     if not v.diagnoses:
@@ -85,7 +97,8 @@ def _diagnoses(report: DiagnosisReport) -> str:
     else:
         body = "".join(
             f"<h3><span class='code'>{_e(d.code)}</span> {_e(d.summary)}</h3>"
-            f"<pre>{_e(json.dumps(d.evidence, indent=2, default=repr)[:6000])}</pre>"
+            + _where(d.evidence.get("first_divergent_op"))
+            + f"<pre>{_e(json.dumps(d.evidence, indent=2, default=repr)[:6000])}</pre>"
             for d in v.diagnoses
         )
     if v.error:

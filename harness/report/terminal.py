@@ -22,7 +22,9 @@ def _short(value: Any) -> str:
 
 
 def format_evidence(evidence: dict[str, Any], indent: str = "      ") -> list[str]:
-    return [f"{indent}{key}: {_short(value)}" for key, value in evidence.items()]
+    """One line per item; where the run departs (harness.analysis.divergence) as its sentence, whole."""
+    return [f"{indent}where: {value['line']}" if key == "first_divergent_op" and isinstance(value, dict) and "line" in value
+            else f"{indent}{key}: {_short(value)}" for key, value in evidence.items()]
 
 
 def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:

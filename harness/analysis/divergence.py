@@ -1,0 +1,189 @@
+"""Where a failing run departs: the first module whose forward output leaves the reference's,
+or the optimizer step when the gradients match and the update does not.
+
+Only for a run whose comparison failed (a correct run never gets a location). The forward
+location comes from the activation probe (:mod:`harness.record.probe`): every rank's module
+outputs of the first micro-batch of step 0, against the reference model replayed on that
+rank's own input (same weights, same step-0 state). Modules are visited in the order their
+forward finished, so the first one that differs is the innermost, earliest place the values
+leave the reference; what a module computes inline (a norm over a local shard, a matmul in the
+parent's forward) shows at the module that contains it. Each rank's output is compared by
+what it holds:
+
+- a plain tensor, or a DTensor whose placements are all ``Replicate``: the reference's whole;
+- a DTensor ``Shard(d)`` (or a plain tensor whose one differing dim is the reference's split
+  by the tensor-parallel group): the reference's ``torch.chunk`` at the rank's coordinate;
+- a DTensor ``Partial``: the sum over the rank's tensor-parallel group. A plain tensor that
+  matches the reference only summed over its group is a partial sum some later module may
+  reduce: not a departure by itself (``tp-partial-sum`` names the one that is never reduced).
+
+The tolerance is the probe's rule - ``|a - e| <= rtol |e| + atol * max|e|`` with rtol 2e-3 and
+atol 2e-4 for float32, widened for 16-bit dtypes by their machine epsilon's ratio to float32's over 4096 (bfloat16:
+16x, float16: 2x): a
+forward reassociated across ranks differs from the reference by a few ulps of each value's
+magnitude, and a bug that changes what is computed by far more. A dropout module is compared too:
+the reference replays its draw from the case's seed, so a mask that differs is where the values
+depart (whether the ranks should have drawn it alike, the random-draw checks say)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from reference.case import Case
+
+from harness.analysis.compare import CompareResult
+from harness.record.probe import OUTPUT, ProbeData
+
+__all__ = ["first_divergence_location", "location_line"]
+
+FP32_RTOL, FP32_ATOL = 2e-3, 2e-4
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    widen = max(1.0, torch.finfo(dtype).eps / torch.finfo(torch.float32).eps / 4096) if dtype.is_floating_point else 1.0
+    return FP32_RTOL * widen, FP32_ATOL * widen
+
+
+def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float, float]:
+    """(within, max_abs, max_rel) of ``actual`` against ``expected`` under the rule above."""
+    a, e = actual.double(), expected.double()
+    diff = (a - e).abs()
+    scale = max(float(e.abs().max()), 1e-6) if e.numel() else 1.0
+    within = bool((diff <= rtol * e.abs() + atol * scale).all()) and bool(torch.isfinite(a).all() or not torch.isfinite(e).all())
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    return within, max_abs, max_abs / scale
+
+
+def _placement_kind(placements: str | None) -> tuple[str, int | None]:
+    """``("whole" | "shard" | "partial" | "other", dim)`` of a capture's placements string."""
+    if placements is None:
+        return "plain", None
+    parts = [p.strip() for p in placements.strip("()").split("),") if p.strip()]
+    kinds = [p for p in parts if not p.startswith("Replicate")]
+    if not kinds:
+        return "whole", None
+    if len(kinds) > 1:
+        return "other", None
+    only = kinds[0]
+    if only.startswith("Shard"):
+        digits = "".join(ch for ch in only.split("=")[-1] if ch.isdigit())
+        return ("shard", int(digits)) if digits else ("other", None)
+    if only.startswith("Partial"):
+        return "partial", None
+    return "other", None
+
+
+def _tp(entry: dict[str, Any]) -> tuple[int | None, list[int]]:
+    group = list(entry["groups"].get("tp") or [])
+    coord = entry["mesh"].get("tp")
+    return (int(coord) if coord is not None else None), group
+
+
+def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
+    from harness.analysis.probe_checks import _reference_outputs
+
+    rtol, atol = _tolerance(case.dtype)
+    by_rank = {r["rank"]: r for r in data.ranks}
+    first: dict[str, Any] | None = None
+    for rank, entry in sorted(by_rank.items()):
+        if entry["input"] is None or entry["stages"] not in (None, [0]):
+            continue  # later pipeline stages do not see the model input
+        ref = _reference_outputs(case, entry["input"])
+        coord, group = _tp(entry)
+        for position, name in enumerate(entry["order"]):
+            cap = entry["captures"][name]
+            if name not in ref:
+                continue
+            expected, local = ref[name], cap.output
+            kind, dim = _placement_kind(cap.placements)
+            compared = "whole"
+            if kind == "shard" or (kind == "plain" and local.shape != expected.shape):
+                if kind == "plain":
+                    differing = [d for d in range(local.dim()) if local.shape[d] != expected.shape[d]] \
+                        if local.dim() == expected.dim() else []
+                    if len(differing) != 1 or not group or expected.shape[differing[0]] != local.shape[differing[0]] * len(group):
+                        continue  # not a split the layout explains: not compared
+                    dim = differing[0]
+                if coord is None or dim is None or dim >= expected.dim():
+                    continue
+                pieces = torch.chunk(expected, len(group) if group else 1, dim=dim)
+                if coord >= len(pieces) or pieces[coord].shape != local.shape:
+                    continue
+                expected, compared = pieces[coord], f"chunk {coord} of {len(pieces)} along dim {dim}"
+            elif kind == "partial":
+                peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
+                if not group or any(p is None or p.output.shape != local.shape for p in peers):
+                    continue
+                local, compared = torch.stack([p.output for p in peers]).sum(0), f"sum over the tensor-parallel group {group}"
+            elif kind == "other" or local.shape != expected.shape:
+                continue
+            within, max_abs, max_rel = _difference(local, expected, rtol, atol)
+            if within:
+                continue
+            if kind == "plain" and compared == "whole" and group and len(group) > 1:
+                peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
+                if all(p is not None and p.output.shape == local.shape for p in peers) and \
+                        _difference(torch.stack([p.output for p in peers]).sum(0), expected, rtol, atol)[0]:
+                    continue  # a partial sum a later module may reduce (see the module docstring)
+            note = {"note": "a dropout whose mask differs from the reference's draw: whether the ranks should have "
+                            "drawn it alike is the random-draw checks' to say"} if cap.p else {}
+            found = {**note, "phase": "forward", "module": "<model output>" if name == OUTPUT else name,
+                     "module_type": cap.module_type, "op": None, "rank": rank, "step": 0, "max_abs": max_abs,
+                     "max_rel": max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"},
+                     "compared": compared, "placements": cap.placements, "position": position}
+            if first is None or position < first["position"]:
+                first = found
+            break
+    if first is not None:
+        first.pop("position")
+    return first
+
+
+def _optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any] | None:
+    """The gradients of the first failing step match and a parameter does not: the update."""
+    failures = comparison.failures()
+    if not failures:
+        return None
+    step = min(t.step for t in failures)
+    at_step = [t for t in failures if t.step == step]
+    if any(t.kind not in ("param", "optim") for t in at_step):
+        return None
+    grads = [t for t in comparison.tensors if t.step == step and t.kind == "grad"]
+    if not grads or not all(t.passed for t in grads):
+        return None
+    worst = max((t for t in at_step if t.kind == "param"), key=lambda t: t.max_rel, default=at_step[0])
+    factory = case.optimizer_factory
+    optimizer = getattr(getattr(factory, "func", factory), "__name__", type(factory).__name__)
+    return {"phase": "optimizer", "module": worst.name, "module_type": None, "op": f"{optimizer}.step",
+            "rank": None, "step": step, "max_abs": worst.max_abs, "max_rel": worst.max_rel,
+            "tolerance": {"rtol": worst.tolerance.rtol, "atol": worst.tolerance.atol, "of": "each element"},
+            "compared": f"every gradient of step {step} matches; {len([t for t in at_step if t.kind == 'param'])} "
+                        "parameters after the update do not"}
+
+
+def first_divergence_location(comparison: CompareResult | None, probe: ProbeData | None, case: Case | None) -> dict[str, Any] | None:
+    """Where a failed run departs (module docstring), or None: a passed run, or no evidence."""
+    if comparison is None or comparison.passed or case is None:
+        return None
+    if probe is not None:
+        found = _forward_location(probe, case)
+        if found is not None:
+            found["line"] = location_line(found)
+            return found
+    found = _optimizer_location(comparison, case)
+    if found is not None:
+        found["line"] = location_line(found)
+    return found
+
+
+def location_line(loc: dict[str, Any]) -> str:
+    """One sentence for the terminal."""
+    if loc["phase"] == "optimizer":
+        return (f"departs in the optimizer step of step {loc['step']} ({loc['op']}): {loc['compared']}; first "
+                f"{loc['module']!r} (max abs {loc['max_abs']:.3g})")
+    tol = loc["tolerance"]
+    return (f"departs in the forward of step 0 at module {loc['module']!r} ({loc['module_type']}) on rank {loc['rank']}: "
+            f"max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of the output's largest value; allowed rtol {tol['rtol']:.3g}, "
+            f"atol {tol['atol']:.3g} of it), compared with the reference's {loc['compared']}")
