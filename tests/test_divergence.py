@@ -123,3 +123,33 @@ def test_a_correct_tp_run_and_a_bug_the_forward_does_not_show_get_no_location(ra
     report = diagnose_target("double_averaged_ddp", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "dd")
     assert report.codes == ["grad-double-averaged"]
     assert "first_divergent_op" not in report.diagnoses[0].evidence
+
+
+DOUBLE_DECAY = '''
+import torch
+from cases.catalog import mlp_case
+from cases.strategies.fsdp import FSDPStrategy
+
+CASE = mlp_case("adamw")
+
+class DoubleDecay(FSDPStrategy):
+    name = "fsdp-double-decay"
+
+    def optimizer_step(self, case, setup):
+        super().optimizer_step(case, setup)
+        with torch.no_grad():
+            for p in setup.model.parameters():  # BUG: the decoupled weight decay again, on each shard
+                p.mul_(1 - 0.01 * 0.01)
+
+STRATEGY = DoubleDecay
+'''
+
+
+def test_weight_decay_applied_twice_to_shards_is_located_in_the_optimizer_step(rank_runner, reference_cache, tmp_path) -> None:
+    target = tmp_path / "double_decay.py"
+    target.write_text(DOUBLE_DECAY)
+    report = diagnose_target(str(target), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.codes == ["numeric-mismatch"], report.verdict.to_dict()
+    where = report.diagnoses[0].evidence["first_divergent_op"]
+    assert (where["phase"], where["op"], where["step"]) == ("optimizer", "AdamW.step", 0), where
+    assert "every gradient of step 0 matches" in where["line"]
