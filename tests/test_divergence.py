@@ -153,3 +153,16 @@ def test_weight_decay_applied_twice_to_shards_is_located_in_the_optimizer_step(r
     where = report.diagnoses[0].evidence["first_divergent_op"]
     assert (where["phase"], where["op"], where["step"]) == ("optimizer", "AdamW.step", 0), where
     assert "every gradient of step 0 matches" in where["line"]
+
+
+@pytest.mark.parametrize("target, module", [("partial_grad_sync", "fc2"), ("double_averaged_ddp", None)])
+def test_gradients_that_fail_in_part_are_located_and_a_scale_on_all_of_them_is_not(rank_runner, reference_cache, tmp_path,
+                                                                                 target: str, module: str | None) -> None:
+    # partial_grad_sync all-reduces the weight matrices' gradients only: the biases fail, fc2's
+    # first in backward order, while the loss matches. Every gradient halved: no module.
+    report = diagnose_target(target, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    where = report.diagnoses[0].evidence.get("first_divergent_op")
+    if module is None:
+        assert where is None, where
+    else:
+        assert where is not None and (where["phase"], where["module"]) == ("backward", module), where

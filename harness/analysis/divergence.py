@@ -1,5 +1,6 @@
-"""Where a failing run departs: the first module whose forward output leaves the reference's,
-or the optimizer step when the gradients match and the update does not.
+"""Where a failing run departs: the first module whose forward output leaves the reference's;
+else the optimizer step when the gradients match and the update does not; else the first
+failing gradient in backward order when only some of a step's gradients fail.
 
 Only for a run whose comparison failed (a correct run never gets a location). The forward
 location comes from the activation probe (:mod:`harness.record.probe`): every rank's module
@@ -163,6 +164,31 @@ def _optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any]
                         "parameters after the update do not"}
 
 
+def _backward_location(comparison: CompareResult) -> dict[str, Any] | None:
+    """The first failing step's loss matches and only some of its gradients do not: the first
+    failing one in backward order (the record's parameter order reversed: the last module's
+    gradients are computed first, and a wrong backward in one module spoils its own gradients
+    and those of every module before it). Every gradient off (a scale or sync bug after the
+    backward) is no local departure: no location."""
+    failures = comparison.failures()
+    if not failures:
+        return None
+    step = min(t.step for t in failures)
+    at_step = [t for t in comparison.tensors if t.step == step]
+    if any(t.kind == "loss" and not t.passed for t in at_step):
+        return None
+    grads = [t for t in at_step if t.kind == "grad"]
+    failing = [t for t in grads if not t.passed]
+    if not failing or len(failing) == len(grads):
+        return None
+    first = failing[-1]
+    return {"phase": "backward", "module": first.name.rsplit(".", 1)[0] if "." in first.name else first.name,
+            "module_type": None, "op": None, "rank": None, "step": step, "max_abs": first.max_abs, "max_rel": first.max_rel,
+            "tolerance": {"rtol": first.tolerance.rtol, "atol": first.tolerance.atol, "of": "each element"},
+            "compared": f"the gathered gradient of {first.name!r}, the first of {len(failing)} of {len(grads)} failing "
+                        "gradients in backward order"}
+
+
 def first_divergence_location(comparison: CompareResult | None, probe: ProbeData | None, case: Case | None) -> dict[str, Any] | None:
     """Where a failed run departs (module docstring), or None: a passed run, or no evidence."""
     if comparison is None or comparison.passed or case is None:
@@ -172,7 +198,7 @@ def first_divergence_location(comparison: CompareResult | None, probe: ProbeData
         if found is not None:
             found["line"] = location_line(found)
             return found
-    found = _optimizer_location(comparison, case)
+    found = _optimizer_location(comparison, case) or _backward_location(comparison)
     if found is not None:
         found["line"] = location_line(found)
     return found
@@ -183,6 +209,9 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc["phase"] == "optimizer":
         return (f"departs in the optimizer step of step {loc['step']} ({loc['op']}): {loc['compared']}; first "
                 f"{loc['module']!r} (max abs {loc['max_abs']:.3g})")
+    if loc["phase"] == "backward":
+        return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
+                f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
     tol = loc["tolerance"]
     return (f"departs in the forward of step 0 at module {loc['module']!r} ({loc['module_type']}) on rank {loc['rank']}: "
             f"max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of the output's largest value; allowed rtol {tol['rtol']:.3g}, "
