@@ -214,9 +214,10 @@ class CustomRun:
         a checkpoint saves) the lr of the next step, as after ``optimizer.step(); scheduler.step()``."""
         epoch = getattr(self.lr_scheduler, "last_epoch", None)
         if isinstance(epoch, int) and epoch == step and not self._hook_step:  # a step hook runs before any scheduler
-            raise RecorderError(f"run.after_step({step}) came before lr_scheduler.step(): the harness records the state "
-                                "after the whole update (the next step's lr, as the reference has it) and saves "
-                                "checkpoints there; call optimizer.step(), lr_scheduler.step(), then run.after_step(step)")
+            raise RecorderError(f"run.after_step({step}): the watched lr scheduler has not stepped for step {step} yet "
+                                f"(its last_epoch is {epoch}). The case's schedule, like the reference, steps it once after "
+                                "every optimizer step, and the harness records (and saves checkpoints) after the whole "
+                                "update; call optimizer.step(), lr_scheduler.step(), then run.after_step(step)")
 
     def _check_resumed_step(self, step: int, hook: str) -> None:
         if step < self.start:
