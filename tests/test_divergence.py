@@ -79,9 +79,10 @@ def test_a_partial_sum_that_a_later_module_reduces_is_not_a_departure() -> None:
     for rank in (0, 1):  # fc2's plain output before its all-reduce: halves that sum to the whole
         held[rank]["fc2"] = (ref["fc2"] / 2, None)
     assert first_divergence_location(_Failed(), _probe(x, held), CASE) is None
-    held[0][OUTPUT] = (ref[OUTPUT] / 2, None)  # ...and never reduced: the model's output departs
+    held[0][OUTPUT] = (ref[OUTPUT] / 2, None)  # ...and never reduced: the model's output departs, fc2 is where
     where = first_divergence_location(_Failed(), _probe(x, held), CASE)
-    assert where is not None and where["module"] == "<model output>" and where["rank"] == 0
+    assert where is not None and (where["module"], where["consumed_by"], where["rank"]) == ("fc2", "<model output>", 0), where
+    assert "used unreduced" in where["line"] and where["partial_over"] == [0, 1]
 
 
 def test_a_passed_comparison_gets_no_location_whatever_the_probe_holds() -> None:

@@ -102,6 +102,9 @@ def test_a_partial_sum_is_named_when_the_model_returns_its_own_loss(dist_ctx, tm
     case = hf_case("llama", steps=2, model_loss=True)
     verdict, codes, summary, full = _diagnose(case, LlamaDownProjPartialSum(), dist_ctx, tmp_path, reference_cache)
     assert (verdict, codes) == ("fail", ["tp-partial-sum"]), f"{full}\n{summary}"
+    # Where it departs: the down projection whose Partial output the decoder layer adds unreduced.
+    where = full["diagnoses"][0]["evidence"]["first_divergent_op"]
+    assert (where["module"], where["consumed_by"]) == ("model.layers.0.mlp.down_proj", "model.layers.0"), where
 
 
 def test_fsdp_units_are_the_repeated_decoder_layers() -> None:

@@ -16,7 +16,9 @@ what it holds:
   by the tensor-parallel group): the reference's ``torch.chunk`` at the rank's coordinate;
 - a DTensor ``Partial``: the sum over the rank's tensor-parallel group. A plain tensor that
   matches the reference only summed over its group is a partial sum some later module may
-  reduce: not a departure by itself (``tp-partial-sum`` names the one that is never reduced).
+  reduce: not a departure by itself; when the module that contains it (or the model's output)
+  is the next to depart, the partial was used unreduced, and the location is that child, with
+  ``consumed_by`` naming where it showed.
 
 The tolerance is the probe's rule - ``|a - e| <= rtol |e| + atol * max|e|`` with rtol 2e-3 and
 atol 2e-4 for float32, widened for 16-bit dtypes by their machine epsilon's ratio to float32's over 4096 (bfloat16:
@@ -93,6 +95,7 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
             continue  # later pipeline stages do not see the model input
         ref = _reference_outputs(case, entry["input"])
         coord, group = _tp(entry)
+        pending: list[str] = []  # modules whose output matched only as a partial sum, not reduced since
         for position, name in enumerate(entry["order"]):
             cap = entry["captures"][name]
             if name not in ref:
@@ -122,14 +125,26 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
                 continue
             within, max_abs, max_rel = _difference(local, expected, rtol, atol)
             if within:
+                if kind == "partial":
+                    pending.append(name)
+                elif name != OUTPUT:  # reduced at or inside ``name``: those partials were not the departure
+                    pending = [q for q in pending if not q.startswith(name + ".")]
                 continue
             if kind == "plain" and compared == "whole" and group and len(group) > 1:
                 peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
                 if all(p is not None and p.output.shape == local.shape for p in peers) and \
                         _difference(torch.stack([p.output for p in peers]).sum(0), expected, rtol, atol)[0]:
-                    continue  # a partial sum a later module may reduce (see the module docstring)
+                    pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
+                    continue
             note = {"note": "a dropout whose mask differs from the reference's draw: whether the ranks should have "
                             "drawn it alike is the random-draw checks' to say"} if cap.p else {}
+            culprit = next((q for q in pending if name == OUTPUT or q.startswith(name + ".")), None)
+            if culprit is not None:
+                # The departure shows in the module that used a partial sum of its own child unreduced.
+                note["consumed_by"] = "<model output>" if name == OUTPUT else name
+                note["partial_over"] = group
+                cap = entry["captures"][culprit]
+                name = culprit
             found = {**note, "phase": "forward", "module": "<model output>" if name == OUTPUT else name,
                      "module_type": cap.module_type, "op": None, "rank": rank, "step": 0, "max_abs": max_abs,
                      "max_rel": max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"},
@@ -213,6 +228,11 @@ def location_line(loc: dict[str, Any]) -> str:
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
     tol = loc["tolerance"]
+    if loc.get("consumed_by"):
+        return (f"departs in the forward of step 0 at module {loc['module']!r} ({loc['module_type']}) on rank {loc['rank']}: "
+                f"its output is a partial sum over the tensor-parallel group {loc['partial_over']} (the reference's only "
+                f"summed), used unreduced - {loc['consumed_by']!r} departs next, by max abs {loc['max_abs']:.3g} "
+                f"({loc['max_rel']:.3g} of its largest value; allowed rtol {tol['rtol']:.3g}, atol {tol['atol']:.3g} of it)")
     return (f"departs in the forward of step 0 at module {loc['module']!r} ({loc['module_type']}) on rank {loc['rank']}: "
             f"max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of the output's largest value; allowed rtol {tol['rtol']:.3g}, "
             f"atol {tol['atol']:.3g} of it), compared with the reference's {loc['compared']}")
