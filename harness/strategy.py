@@ -107,7 +107,7 @@ def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
 
 
-def _STATE_DICT_OPTIONS() -> Any:
+def _state_dict_options() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
@@ -137,7 +137,7 @@ def default_checkpoint_state(case: Any, setup: Any) -> dict[str, Any]:
 
     models = _modules(setup.model)
     model_sd, optim_sd = get_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
-                                        options=_STATE_DICT_OPTIONS())
+                                        options=_state_dict_options())
     return {"model": model_sd, "optim": optim_sd, "rank": default_rank_state(setup)}
 
 
@@ -156,7 +156,7 @@ def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) 
 
     models = _modules(setup.model)
     set_state_dict(models if len(models) > 1 else models[0], setup.optimizer,
-                   model_state_dict=state["model"], optim_state_dict=state["optim"], options=_STATE_DICT_OPTIONS())
+                   model_state_dict=state["model"], optim_state_dict=state["optim"], options=_state_dict_options())
     rank = state.get("rank", {})
     if "rng" in rank:
         set_rng_state(rank["rng"])

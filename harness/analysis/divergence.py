@@ -36,17 +36,15 @@ import torch
 
 from reference.case import Case
 
-from harness.analysis.compare import CompareResult
+from harness.analysis.compare import CompareResult, TensorComparison
+from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_outputs
 from harness.record.probe import OUTPUT, ProbeData
 
 __all__ = ["first_divergence_location", "location_line"]
 
-FP32_RTOL, FP32_ATOL = 2e-3, 2e-4
-
-
 def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
     widen = max(1.0, torch.finfo(dtype).eps / torch.finfo(torch.float32).eps / 4096) if dtype.is_floating_point else 1.0
-    return FP32_RTOL * widen, FP32_ATOL * widen
+    return PROBE_RTOL * widen, PROBE_ATOL * widen
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float, float]:
@@ -84,16 +82,23 @@ def _tp(entry: dict[str, Any]) -> tuple[int | None, list[int]]:
     return (int(coord) if coord is not None else None), group
 
 
-def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
-    from harness.analysis.probe_checks import _reference_outputs
+def _group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, shape: torch.Size) -> torch.Tensor | None:
+    """The sum of module ``name``'s outputs over the ranks of ``group``, or None where one of
+    them has no capture of that shape."""
+    peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
+    if not group or any(p is None or p.output.shape != shape for p in peers):
+        return None
+    return torch.stack([p.output for p in peers]).sum(0)
 
+
+def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
     rtol, atol = _tolerance(case.dtype)
     by_rank = {r["rank"]: r for r in data.ranks}
     first: dict[str, Any] | None = None
     for rank, entry in sorted(by_rank.items()):
         if entry["input"] is None or entry["stages"] not in (None, [0]):
             continue  # later pipeline stages do not see the model input
-        ref = _reference_outputs(case, entry["input"])
+        ref = reference_outputs(data, rank, case)
         coord, group = _tp(entry)
         pending: list[str] = []  # modules whose output matched only as a partial sum, not reduced since
         for position, name in enumerate(entry["order"]):
@@ -117,10 +122,10 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
                     continue
                 expected, compared = pieces[coord], f"chunk {coord} of {len(pieces)} along dim {dim}"
             elif kind == "partial":
-                peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
-                if not group or any(p is None or p.output.shape != local.shape for p in peers):
+                summed = _group_sum(by_rank, group, name, local.shape)
+                if summed is None:
                     continue
-                local, compared = torch.stack([p.output for p in peers]).sum(0), f"sum over the tensor-parallel group {group}"
+                local, compared = summed, f"sum over the tensor-parallel group {group}"
             elif kind == "other" or local.shape != expected.shape:
                 continue
             within, max_abs, max_rel = _difference(local, expected, rtol, atol)
@@ -130,10 +135,9 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
                 elif name != OUTPUT:  # reduced at or inside ``name``: those partials were not the departure
                     pending = [q for q in pending if not q.startswith(name + ".")]
                 continue
-            if kind == "plain" and compared == "whole" and group and len(group) > 1:
-                peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
-                if all(p is not None and p.output.shape == local.shape for p in peers) and \
-                        _difference(torch.stack([p.output for p in peers]).sum(0), expected, rtol, atol)[0]:
+            if kind == "plain" and compared == "whole" and len(group) > 1:
+                summed = _group_sum(by_rank, group, name, local.shape)
+                if summed is not None and _difference(summed, expected, rtol, atol)[0]:
                     pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
                     continue
             note = {"note": "a dropout whose mask differs from the reference's draw: whether the ranks should have "
@@ -157,16 +161,25 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
     return first
 
 
-def _optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any] | None:
-    """The gradients of the first failing step match and a parameter does not: the update."""
+def _first_failing_step(comparison: CompareResult) -> tuple[int, list[TensorComparison]] | None:
+    """The first step with a tensor beyond tolerance and every comparison of that step."""
     failures = comparison.failures()
     if not failures:
         return None
     step = min(t.step for t in failures)
-    at_step = [t for t in failures if t.step == step]
+    return step, [t for t in comparison.tensors if t.step == step]
+
+
+def _optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any] | None:
+    """The gradients of the first failing step match and a parameter does not: the update."""
+    first = _first_failing_step(comparison)
+    if first is None:
+        return None
+    step, compared = first
+    at_step = [t for t in compared if not t.passed]
     if any(t.kind not in ("param", "optim") for t in at_step):
         return None
-    grads = [t for t in comparison.tensors if t.step == step and t.kind == "grad"]
+    grads = [t for t in compared if t.kind == "grad"]
     if not grads or not all(t.passed for t in grads):
         return None
     worst = max((t for t in at_step if t.kind == "param"), key=lambda t: t.max_rel, default=at_step[0])
@@ -185,11 +198,10 @@ def _backward_location(comparison: CompareResult) -> dict[str, Any] | None:
     gradients are computed first, and a wrong backward in one module spoils its own gradients
     and those of every module before it). Every gradient off (a scale or sync bug after the
     backward) is no local departure: no location."""
-    failures = comparison.failures()
-    if not failures:
+    first_step = _first_failing_step(comparison)
+    if first_step is None:
         return None
-    step = min(t.step for t in failures)
-    at_step = [t for t in comparison.tensors if t.step == step]
+    step, at_step = first_step
     if any(t.kind == "loss" and not t.passed for t in at_step):
         return None
     grads = [t for t in at_step if t.kind == "grad"]

@@ -20,7 +20,11 @@ from reference.case import Case, tensors_in
 from harness.codes import Diagnosis
 from harness.record.probe import OUTPUT, ProbeData, module_outputs
 
-__all__ = ["analyze_probe"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_outputs"]
+
+# The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
+# ranks moves values by ulps of their magnitude, a bug by orders more.
+PROBE_RTOL, PROBE_ATOL = 2e-3, 2e-4
 
 
 def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -34,6 +38,13 @@ def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT)[0]
 
 
+def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
+    """The reference's module outputs on ``rank``'s captured input, replayed once per probe."""
+    if rank not in data.references:
+        data.references[rank] = _reference_outputs(case, next(r for r in data.ranks if r["rank"] == rank)["input"])
+    return data.references[rank]
+
+
 def _same_values(a: Any, b: Any) -> bool:
     """Two inputs (tensors, or dicts / tuples of them) hold equal tensors."""
     ta, tb = tensors_in(a), tensors_in(b)
@@ -44,7 +55,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
     scale = max(float(b.abs().max()), 1e-6) if b.numel() else 1.0
-    return bool(torch.allclose(a, b, rtol=2e-3, atol=2e-4 * scale))
+    return bool(torch.allclose(a, b, rtol=PROBE_RTOL, atol=PROBE_ATOL * scale))
 
 
 def _partial_sum(locals_: list[torch.Tensor], expected: torch.Tensor) -> bool:
@@ -55,11 +66,11 @@ def _partial_sum(locals_: list[torch.Tensor], expected: torch.Tensor) -> bool:
     diff = torch.stack(locals_).sum(0) - expected
     # Judged against the output's own magnitude: without a bias the difference is rounding
     # only, and a tolerance scaled by that difference would call rounding a mismatch.
-    atol = 2e-4 * max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
+    atol = PROBE_ATOL * max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
     if expected.dim() == 0:
         return bool(diff.abs().max() <= atol)
     flat = diff.reshape(-1, diff.shape[-1])
-    return bool(torch.allclose(flat, flat.mean(0, keepdim=True).expand_as(flat), rtol=2e-3, atol=atol))
+    return bool(torch.allclose(flat, flat.mean(0, keepdim=True).expand_as(flat), rtol=PROBE_RTOL, atol=atol))
 
 
 def _tp_groups(data: ProbeData) -> list[list[int]]:
@@ -77,15 +88,12 @@ def analyze_probe(data: ProbeData | None, case: Case) -> list[Diagnosis]:
         return []
     by_rank = {r["rank"]: r for r in data.ranks}
     out: list[Diagnosis] = []
-    ref_cache: dict[int, dict[str, torch.Tensor]] = {}
 
     def reference_for(rank: int) -> dict[str, torch.Tensor] | None:
         entry = by_rank[rank]
         if entry["input"] is None or (entry["stages"] not in (None, [0])):
             return None  # later pipeline stages do not see the model input
-        if rank not in ref_cache:
-            ref_cache[rank] = _reference_outputs(case, entry["input"])
-        return ref_cache[rank]
+        return reference_outputs(data, rank, case)
 
     for group in _tp_groups(data):
         members = [by_rank[r] for r in group if r in by_rank]

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from reference.files import write_atomic
+from reference.record import is_dtensor
 
 from harness.record.recorder import _rank_world
 from harness.strategy import default_checkpoint_state, default_rank_state, load_default_checkpoint_state, rng_state
@@ -124,21 +125,15 @@ def _hand_shards(model: Any, sharded: dict[str, Any]) -> dict[str, Any]:
     for module in modules:
         for p in module.parameters():
             spec = shard_spec(p)
-            if spec is not None and not _is_dtensor(p):
+            if spec is not None and not is_dtensor(p):
                 by_storage[(p.data_ptr(), tuple(p.shape))] = spec
     if not by_storage:
         return {}
     found = {}
     for fqn, t in (sharded.get("model") or {}).items():
-        if isinstance(t, torch.Tensor) and not _is_dtensor(t) and (t.data_ptr(), tuple(t.shape)) in by_storage:
+        if isinstance(t, torch.Tensor) and not is_dtensor(t) and (t.data_ptr(), tuple(t.shape)) in by_storage:
             found[fqn] = by_storage[(t.data_ptr(), tuple(t.shape))]
     return found
-
-
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _as_dtensors(sharded: dict[str, Any], specs: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +191,7 @@ def _as_local(wrapped: dict[str, Any], specs: dict[str, Any]) -> dict[str, Any]:
     optim = dict(wrapped.get("optim") or {})
     for fqn in specs:
         for entries, key in [(model, fqn)] + [(optim, k) for k in _optim_keys(optim, fqn)]:
-            if _is_dtensor(entries[key]):
+            if is_dtensor(entries[key]):
                 entries[key] = entries[key].to_local()
     return {**wrapped, "model": model, "optim": optim}
 

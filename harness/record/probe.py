@@ -199,6 +199,9 @@ class ProbeData:
     """Every rank's captures, on the rank that collected them."""
 
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    # The reference's module outputs on each rank's input, replayed once for every check that
+    # reads them (harness.analysis.probe_checks.reference_outputs).
+    references: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
 def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
