@@ -98,19 +98,22 @@ def test_a_passed_comparison_gets_no_location_whatever_the_probe_holds() -> None
 
 
 # -- real ranks ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("target, phase, module, rank", [
-    ("autocast_forward", "forward", "fc1", 0),  # the first matmul under bfloat16 autocast
-    ("tp_rank_seeded_dropout", "forward", "dropout", 1),  # rank 0 draws the reference's mask, rank 1 its own
-    ("optimizer_missing_params", "optimizer", "fc1.bias", None),  # the gradients match; the biases never update
-    ("tests/custom_loops/tp_inline_row_parallel.py", "forward", "<model output>", 0),  # a matmul inline in forward()
+@pytest.mark.parametrize("target, phase, module, rank, op", [
+    ("autocast_forward", "forward", "fc1", 0, "aten.addmm.default"),  # the first matmul under bfloat16 autocast
+    # rank 0 draws the reference's mask, rank 1 its own: the draw itself
+    ("tp_rank_seeded_dropout", "forward", "dropout", 1, "aten.bernoulli_.float"),
+    ("optimizer_missing_params", "optimizer", "fc1.bias", None, "AdamW.step"),  # the gradients match; the biases never update
+    # a row-parallel matmul inline in forward(): its bias add on an unreduced partial sum, found
+    # by aligning the whole forward (the reference runs it in fc2)
+    ("tests/custom_loops/tp_inline_row_parallel.py", "forward", "<model output>", 0, "aten.add.Tensor"),
 ])
 def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache, tmp_path, target: str, phase: str,
-                                                   module: str, rank: int | None) -> None:
+                                                   module: str, rank: int | None, op: str) -> None:
     report = diagnose_target(target, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
     assert report.verdict.verdict == "fail"
     where = [d.evidence.get("first_divergent_op") for d in report.diagnoses]
     assert where and all(w is not None for w in where), report.verdict.to_dict()
-    assert (where[0]["phase"], where[0]["module"], where[0]["rank"]) == (phase, module, rank), where[0]
+    assert (where[0]["phase"], where[0]["module"], where[0]["rank"], where[0]["op"]) == (phase, module, rank, op), where[0]
     assert {"phase", "module", "op", "rank", "max_abs", "tolerance"} <= set(where[0])
     assert f"where: {where[0]['line']}" in format_terminal(report)
     assert "where it departs" in render_html(report)

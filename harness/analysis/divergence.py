@@ -30,6 +30,9 @@ depart (whether the ranks should have drawn it alike, the random-draw checks say
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +40,8 @@ import torch
 from reference.case import Case
 
 from harness.analysis.compare import CompareResult, TensorComparison
-from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_outputs
-from harness.record.probe import OUTPUT, ProbeData
+from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_ops, reference_outputs
+from harness.record.probe import OUTPUT, OpCapture, ProbeData
 
 __all__ = ["first_divergence_location", "location_line"]
 
@@ -91,6 +94,54 @@ def _group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, 
     return torch.stack([p.output for p in peers]).sum(0)
 
 
+@dataclass
+class _Judged:
+    """How one held value (a module's or an op's output on one rank) stands against the
+    reference's: ``within``, ``partial`` (it matches only summed over the tensor-parallel
+    group: a partial sum a later op may reduce) or ``departs``."""
+
+    status: str
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    compared: str = "whole"
+
+
+def _judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, coord: int | None, group: list[int],
+           group_sum: Callable[[], torch.Tensor | None], rtol: float, atol: float) -> _Judged | None:
+    """Compare what a rank holds with the reference's value by its placement (module
+    docstring); None where the layout does not say how they correspond (not compared)."""
+    kind, dim = _placement_kind(placements)
+    compared = "whole"
+    if kind == "shard" or (kind == "plain" and local.shape != expected.shape):
+        if kind == "plain":
+            differing = [d for d in range(local.dim()) if local.shape[d] != expected.shape[d]] \
+                if local.dim() == expected.dim() else []
+            if len(differing) != 1 or not group or expected.shape[differing[0]] != local.shape[differing[0]] * len(group):
+                return None  # not a split the layout explains
+            dim = differing[0]
+        if coord is None or dim is None or dim >= expected.dim():
+            return None
+        pieces = torch.chunk(expected, len(group) if group else 1, dim=dim)
+        if coord >= len(pieces) or pieces[coord].shape != local.shape:
+            return None
+        expected, compared = pieces[coord], f"chunk {coord} of {len(pieces)} along dim {dim}"
+    elif kind == "partial":
+        summed = group_sum()
+        if summed is None:
+            return None
+        local, compared = summed, f"sum over the tensor-parallel group {group}"
+    elif kind == "other" or local.shape != expected.shape:
+        return None
+    within, max_abs, max_rel = _difference(local, expected, rtol, atol)
+    if within:
+        return _Judged("partial" if kind == "partial" else "within", max_abs, max_rel, compared)
+    if kind == "plain" and compared == "whole" and len(group) > 1:
+        summed = group_sum()
+        if summed is not None and _difference(summed, expected, rtol, atol)[0]:
+            return _Judged("partial", max_abs, max_rel, f"sum over the tensor-parallel group {group}")
+    return _Judged("departs", max_abs, max_rel, compared)
+
+
 def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
     rtol, atol = _tolerance(case.dtype)
     by_rank = {r["rank"]: r for r in data.ranks}
@@ -105,41 +156,17 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
             cap = entry["captures"][name]
             if name not in ref:
                 continue
-            expected, local = ref[name], cap.output
-            kind, dim = _placement_kind(cap.placements)
-            compared = "whole"
-            if kind == "shard" or (kind == "plain" and local.shape != expected.shape):
-                if kind == "plain":
-                    differing = [d for d in range(local.dim()) if local.shape[d] != expected.shape[d]] \
-                        if local.dim() == expected.dim() else []
-                    if len(differing) != 1 or not group or expected.shape[differing[0]] != local.shape[differing[0]] * len(group):
-                        continue  # not a split the layout explains: not compared
-                    dim = differing[0]
-                if coord is None or dim is None or dim >= expected.dim():
-                    continue
-                pieces = torch.chunk(expected, len(group) if group else 1, dim=dim)
-                if coord >= len(pieces) or pieces[coord].shape != local.shape:
-                    continue
-                expected, compared = pieces[coord], f"chunk {coord} of {len(pieces)} along dim {dim}"
-            elif kind == "partial":
-                summed = _group_sum(by_rank, group, name, local.shape)
-                if summed is None:
-                    continue
-                local, compared = summed, f"sum over the tensor-parallel group {group}"
-            elif kind == "other" or local.shape != expected.shape:
+            judged = _judge(cap.output, cap.placements, ref[name], coord, group,
+                            lambda: _group_sum(by_rank, group, name, cap.output.shape), rtol, atol)
+            if judged is None:
                 continue
-            within, max_abs, max_rel = _difference(local, expected, rtol, atol)
-            if within:
-                if kind == "partial":
-                    pending.append(name)
-                elif name != OUTPUT:  # reduced at or inside ``name``: those partials were not the departure
+            if judged.status == "partial":
+                pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
+                continue
+            if judged.status == "within":
+                if name != OUTPUT:  # reduced at or inside ``name``: those partials were not the departure
                     pending = [q for q in pending if not q.startswith(name + ".")]
                 continue
-            if kind == "plain" and compared == "whole" and len(group) > 1:
-                summed = _group_sum(by_rank, group, name, local.shape)
-                if summed is not None and _difference(summed, expected, rtol, atol)[0]:
-                    pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
-                    continue
             note = {"note": "a dropout whose mask differs from the reference's draw: whether the ranks should have "
                             "drawn it alike is the random-draw checks' to say"} if cap.p else {}
             culprit = next((q for q in pending if name == OUTPUT or q.startswith(name + ".")), None)
@@ -150,15 +177,131 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
                 cap = entry["captures"][culprit]
                 name = culprit
             found = {**note, "phase": "forward", "module": "<model output>" if name == OUTPUT else name,
-                     "module_type": cap.module_type, "op": None, "rank": rank, "step": 0, "max_abs": max_abs,
-                     "max_rel": max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"},
-                     "compared": compared, "placements": cap.placements, "position": position}
+                     "module_type": cap.module_type, "op": None, "rank": rank, "step": 0, "max_abs": judged.max_abs,
+                     "max_rel": judged.max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"},
+                     "compared": judged.compared, "placements": cap.placements, "position": position,
+                     "_name": name}
             if first is None or position < first["position"]:
                 first = found
             break
     if first is not None:
         first.pop("position")
+        name = first.pop("_name")
+        try:
+            op = _op_location(data, case, first["rank"], "" if name == OUTPUT else name,
+                              partial=bool(first.get("consumed_by")), rtol=rtol, atol=atol)
+        except Exception as exc:  # noqa: BLE001 - the module is evidence enough without its op
+            op = {"op_note": f"the op inside {first['module']!r} was not located: {type(exc).__name__}: {exc}"}
+        if "max_abs" in op:
+            first["module_max_abs"] = first["max_abs"]
+        first.update(op)
     return first
+
+
+# -- the op inside the module ---------------------------------------------------------------
+def _keyed(ops: list[OpCapture]) -> dict[tuple[str, str, int], OpCapture]:
+    """Ops by (module, op, occurrence): the same program on every rank of a group logs the
+    same keys, so a peer's value of an op is found by its key."""
+    seen: dict[tuple[str, str], int] = {}
+    out = {}
+    for o in ops:
+        n = seen.get((o.module, o.op), 0)
+        seen[(o.module, o.op)] = n + 1
+        out[(o.module, o.op, n)] = o
+    return out
+
+
+def _aligned(held: list[OpCapture], ref: list[OpCapture]) -> list[tuple[OpCapture, OpCapture, str]]:
+    """Pairs (held, reference, how) in the held log's order. Equal runs of op names pair one
+    to one (exact). A run that differs pairs by position where both sides have as many ops
+    (fuzzy), else only at its ends: one op written as several (``addmm`` as ``mm`` + ``add``)
+    differs inside, but the run's last value is the same value on both sides. Collectives (no
+    output) are not paired."""
+    a = [o for o in held if o.output is not None]
+    b = [o for o in ref if o.output is not None]
+    pairs = []
+    matcher = difflib.SequenceMatcher(None, [o.op for o in a], [o.op for o in b], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            pairs += [(a[i1 + k], b[j1 + k], "exact") for k in range(i2 - i1)]
+        elif tag == "replace" and i2 - i1 == j2 - j1:
+            pairs += [(a[i1 + k], b[j1 + k], "by position") for k in range(i2 - i1)
+                      if a[i1 + k].output.dim() == b[j1 + k].output.dim()]
+        elif tag == "replace" and a[i2 - 1].output.dim() == b[j2 - 1].output.dim():
+            pairs.append((a[i2 - 1], b[j2 - 1], f"at the end of a run written as {i2 - i1} ops against the reference's {j2 - j1}"))
+    return pairs
+
+
+def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial: bool, rtol: float,
+                 atol: float) -> dict[str, Any]:
+    """The first op of ``module`` on ``rank`` whose output departs from the reference's (for a
+    partial sum used unreduced: the first whose output is that partial sum), from the ranks'
+    op logs against the reference's on the same input. Ops run directly in the module are
+    searched first, then those of its submodules. Where every computing op matches, a
+    collective or layout op after them changed the values: the first collective after the
+    last matching op is named when there is one."""
+    by_rank = {r["rank"]: r for r in data.ranks}
+    entry = by_rank[rank]
+    held_ops: list[OpCapture] = entry.get("ops") or []
+    if not held_ops:
+        return {"op_note": "no op log of this forward (pipeline stages, or a model called before the harness watched it)"}
+    ref_ops = reference_ops(data, rank, case)
+    coord, group = _tp(entry)
+    peers = {r: _keyed(by_rank[r].get("ops") or []) for r in group if r in by_rank}
+    keys = {id(o): k for k, o in _keyed(held_ops).items()}
+
+    def peer_sum(op: OpCapture) -> torch.Tensor | None:
+        key = keys[id(op)]
+        values = [peers[r].get(key) for r in group if r in peers]
+        if not group or any(v is None or v.output is None or v.output.shape != op.output.shape for v in values):
+            return None
+        return torch.stack([v.output for v in values]).sum(0)
+
+    scopes = [("in the module itself", lambda m: m == module)]
+    if module:
+        scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
+    else:  # the model's own forward: what it computes inline runs in the reference's submodules
+        scopes.append(("in the whole forward, aligned regardless of modules", lambda m: True))
+    for scope, inside in scopes:
+        held = [o for o in held_ops if inside(o.module)]
+        ref = [o for o in ref_ops if inside(o.module)]
+        pairs = _aligned(held, ref)
+        last_within: OpCapture | None = None
+        partial_before: OpCapture | None = None  # the last op whose output matched only summed over the group
+        for mine, theirs, how in pairs:
+            judged = _judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peer_sum(mine), rtol, atol)
+            if judged is None:
+                continue
+            hit = judged.status == "partial" if partial else judged.status == "departs"
+            if not hit:
+                last_within = mine
+                if judged.status == "partial":
+                    partial_before = mine
+                elif judged.status == "within" and mine.placements is None:
+                    partial_before = None
+                continue
+            index = next(i for i, o in enumerate(o for o in held if o.output is not None) if o is mine)
+            where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
+                     "op_index": index, "ops_compared": len(pairs)}
+            since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
+            collective = next((o for o in reversed(since) if o.output is None), None)
+            if collective is not None:
+                where["after_collective"] = {"op": collective.op, "module": collective.module or "<model output>"}
+            if partial_before is not None and not partial:
+                where["after_partial"] = {"op": partial_before.op, "module": partial_before.module or "<model output>",
+                                          "over": group}
+            if partial:  # the module's figures (where the partial showed) stay; the op made the partial
+                return {**where, "op_compared": f"{judged.compared}; op aligned {how}, {scope}"}
+            return {**where, "max_abs": judged.max_abs, "max_rel": judged.max_rel,
+                    "compared": f"{judged.compared}; op aligned {how}, {scope}"}
+        after = held[held.index(last_within) + 1:] if last_within is not None else held
+        collective = next((o for o in after if o.output is None), None)
+        if collective is not None and pairs:
+            return {"op": collective.op, "op_module": collective.module or "<model output>",
+                    "op_note": f"every computing op {scope} matches the reference ({len(pairs)} compared); the values "
+                               f"change at this collective after {last_within.op if last_within else 'the start'}"}
+    return {"op_note": f"no single op of {module or 'the model forward'!r} departs by itself "
+                       "(the module's output does; ops compared by placement and aligned by name)"}
 
 
 def _first_failing_step(comparison: CompareResult) -> tuple[int, list[TensorComparison]] | None:
@@ -240,11 +383,23 @@ def location_line(loc: dict[str, Any]) -> str:
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
     tol = loc["tolerance"]
+    at = f"module {loc['module']!r} ({loc['module_type']})"
+    if loc.get("op"):
+        inner = "" if loc.get("op_module") in (None, loc["module"]) else f" (in {loc['op_module']!r})"
+        at = f"op {loc['op']}{inner} of {at}"
     if loc.get("consumed_by"):
-        return (f"departs in the forward of step 0 at module {loc['module']!r} ({loc['module_type']}) on rank {loc['rank']}: "
+        return (f"departs in the forward of step 0 at {at} on rank {loc['rank']}: "
                 f"its output is a partial sum over the tensor-parallel group {loc['partial_over']} (the reference's only "
                 f"summed), used unreduced - {loc['consumed_by']!r} departs next, by max abs {loc['max_abs']:.3g} "
                 f"({loc['max_rel']:.3g} of its largest value; allowed rtol {tol['rtol']:.3g}, atol {tol['atol']:.3g} of it)")
-    return (f"departs in the forward of step 0 at module {loc['module']!r} ({loc['module_type']}) on rank {loc['rank']}: "
+    line = (f"departs in the forward of step 0 at {at} on rank {loc['rank']}: "
             f"max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of the output's largest value; allowed rtol {tol['rtol']:.3g}, "
             f"atol {tol['atol']:.3g} of it), compared with the reference's {loc['compared']}")
+    if loc.get("after_partial"):
+        p = loc["after_partial"]
+        line += (f"; its input, {p['op']} in {p['module']!r}, is a partial sum over the tensor-parallel group {p['over']} "
+                 "that was never reduced before it")
+    if loc.get("after_collective"):
+        c = loc["after_collective"]
+        line += f"; the collective before it: {c['op']} in {c['module']!r}"
+    return line + (f" ({loc['op_note']})" if loc.get("op_note") else "")

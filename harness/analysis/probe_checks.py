@@ -18,16 +18,18 @@ import torch
 from reference.case import Case, tensors_in
 
 from harness.codes import Diagnosis
-from harness.record.probe import OUTPUT, ProbeData, module_outputs
+from harness.record.probe import OUTPUT, OpCapture, ProbeData, module_outputs, op_log
 
-__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_outputs"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_ops", "reference_outputs"]
 
 # The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
 # ranks moves values by ulps of their magnitude, a bug by orders more.
 PROBE_RTOL, PROBE_ATOL = 2e-3, 2e-4
 
 
-def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def _replay_reference(case: Case, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[OpCapture]]:
+    """The reference model's module outputs and op log (:func:`harness.record.probe.op_log`)
+    of one forward on ``x`` (same weights, same step-0 state, the case's seed for dropout)."""
     model = case.build_model("cpu")
 
     def forward() -> Any:
@@ -35,14 +37,30 @@ def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
             torch.manual_seed(case.seed)
             return case.call_model(model, x)
 
-    return module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT)[0]
+    ops, (outs, _) = op_log(model, lambda: module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT))
+    return outs, ops
+
+
+def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _replay_reference(case, x)[0]
+
+
+def _replayed(data: ProbeData, rank: int, case: Case) -> None:
+    if rank not in data.references:
+        x = next(r for r in data.ranks if r["rank"] == rank)["input"]
+        data.references[rank], data.reference_ops[rank] = _replay_reference(case, x)
 
 
 def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
     """The reference's module outputs on ``rank``'s captured input, replayed once per probe."""
-    if rank not in data.references:
-        data.references[rank] = _reference_outputs(case, next(r for r in data.ranks if r["rank"] == rank)["input"])
+    _replayed(data, rank, case)
     return data.references[rank]
+
+
+def reference_ops(data: ProbeData, rank: int, case: Case) -> list[OpCapture]:
+    """The reference's op log on ``rank``'s captured input (the same replay)."""
+    _replayed(data, rank, case)
+    return data.reference_ops[rank]
 
 
 def _same_values(a: Any, b: Any) -> bool:

@@ -13,6 +13,12 @@ module (:func:`harness.analysis.probe_checks.analyze_probe`):
 - a dropout module whose inputs agree across a tensor-parallel group but whose outputs
   (masks) differ: ``rng-desync``.
 
+The same first forward is also logged op by op (:class:`OpLog`, a dispatch mode entered by
+the root module's forward pre-hook and left by its post-hook): each op's output with the
+module it ran in and, for a DTensor, its placements - the mode sits above DTensor's own
+dispatch, so it sees the DTensor-level op and output, not the local ops inside. Where the run
+departs (:mod:`harness.analysis.divergence`) aligns these with the reference's op log.
+
 Only tensors up to ``max_numel`` elements are kept; the probe is for the small models of
 correctness tests, not for production-size activations.
 """
@@ -26,13 +32,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.record import is_dtensor
 from reference.case import Batch, Case, map_tensors
 
 from harness.record.gather import reference_name
 
-__all__ = ["OUTPUT", "ActivationProbe", "ProbeData", "ProbedStrategy", "collect_probe"]
+__all__ = ["OUTPUT", "ActivationProbe", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "op_log"]
 
 OUTPUT = "<output>"  # capture name of the whole model's output
 
@@ -95,6 +102,115 @@ def module_outputs(
 
 
 @dataclass
+class OpCapture:
+    """One op of a logged forward: its output (the local tensor, cast to float32 on the CPU)."""
+
+    module: str  # the innermost module it ran in, reference name ("" for the model's own forward)
+    op: str  # the overload, e.g. "aten.addmm.default"
+    output: torch.Tensor | None  # None for a collective: kept as a marker of where it ran, not compared
+    placements: str | None = None  # DTensor placements of the output, None for plain tensors
+
+
+# Ops that move, alias or allocate values without computing any: they cannot be where values
+# depart, and a layout change between the parallel run and one device would only misalign the
+# logs. Views are recognised by their schema (``OpOverload.is_view``); collectives (the
+# functional and c10d namespaces) are redistributions, not computation.
+_LAYOUT_OPS = frozenset({
+    "detach", "alias", "clone", "copy_", "_to_copy", "contiguous", "_unsafe_view", "lift_fresh", "lift_fresh_copy",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "scalar_tensor", "_local_scalar_dense",
+    "arange", "set_", "resize_", "as_strided_", "split_with_sizes_copy", "stack", "cat",
+})
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor"})
+
+
+def _is_layout_op(func: Any) -> bool:
+    if getattr(func, "namespace", "aten") in _COLLECTIVE_NAMESPACES:
+        return True
+    if getattr(func, "is_view", False):
+        return True
+    return func.overloadpacket.__name__ in _LAYOUT_OPS
+
+
+class OpLog(TorchDispatchMode):
+    """A dispatch mode that keeps every computing op's first floating-point output, with the
+    innermost module it ran in (``stack`` is kept by :func:`track_modules`' hooks). Outputs
+    over ``max_numel`` elements, and every op once ``budget`` elements are kept, are skipped."""
+
+    def __init__(self, stack: list[str], *, max_numel: int = 1 << 20, budget: int = 1 << 23):
+        super().__init__()
+        self.stack = stack
+        self.max_numel = max_numel
+        self.budget = budget
+        self.ops: list[OpCapture] = []
+        self.skipped = 0
+        self.paused = 0  # > 0 while the harness's own hooks run inside the logged forward
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        if getattr(func, "namespace", "aten") in _COLLECTIVE_NAMESPACES:
+            self.ops.append(OpCapture(self.stack[-1] if self.stack else "", str(func), None))
+        elif not _is_layout_op(func):
+            self._keep(func, out)
+        return out
+
+    def _keep(self, func: Any, out: Any) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        t = first_tensor(out)
+        if t is None or not t.is_floating_point() or isinstance(t, FakeTensor):
+            return
+        if t.numel() > self.max_numel or t.numel() > self.budget:
+            self.skipped += 1
+            return
+        placements = None
+        if is_dtensor(t):
+            placements = str(tuple(t.placements))
+            t = t.to_local()
+        self.budget -= t.numel()
+        self.ops.append(OpCapture(self.stack[-1] if self.stack else "", str(func), t.detach().float().cpu().clone(), placements))
+
+
+def track_modules(models: list[nn.Module], stack: list[str]) -> list[Any]:
+    """Forward pre- and post-hooks that keep ``stack`` the reference names of the modules
+    running now (innermost last); the post-hook runs on an exception too. Returns the handles."""
+    handles = []
+    for model in models:
+        for raw, module in model.named_modules():
+            if module is model or not raw:
+                continue
+            name = reference_name(model, raw)
+
+            def enter(module: nn.Module, args: tuple, name: str = name) -> None:
+                stack.append(name)
+
+            def leave(module: nn.Module, args: tuple, output: Any) -> None:
+                if stack:
+                    stack.pop()
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    return handles
+
+
+def op_log(model: nn.Module, call: Any) -> tuple[list[OpCapture], Any]:
+    """The op log (:class:`OpLog`) of one forward of ``model``, ``call()``; returns the ops and
+    what ``call`` returned."""
+    stack: list[str] = []
+    handles = track_modules([model], stack)
+    log = OpLog(stack)
+    try:
+        with log:
+            result = call()
+    finally:
+        for h in handles:
+            h.remove()
+    return log.ops, result
+
+
+@dataclass
 class Capture:
     module_type: str
     output: torch.Tensor
@@ -113,9 +229,20 @@ class ActivationProbe:
         self.captures: dict[str, Capture] = {}
         self.order: list[str] = []
         self.input: torch.Tensor | None = None
+        self.ops: list[OpCapture] = []  # the first forward's op log (a single model only)
         self._handles: list[Any] = []
+        self._stack: list[str] = []
+        self._log: OpLog | None = None
+        self._logged = False
 
     def attach(self, models: list[nn.Module]) -> None:
+        if len(models) == 1 and not self._logged:
+            # The op log covers the root's first forward: entered by its pre-hook (registered
+            # first, so it runs before the capture hooks' own) and left by its post-hook,
+            # which runs on an exception too: a mode must never outlive the forward it logs.
+            self._handles += track_modules(models, self._stack)
+            self._handles.append(models[0].register_forward_pre_hook(self._start_log))
+            self._handles.append(models[0].register_forward_hook(self._stop_log, always_call=True))
         for i, model in enumerate(models):
             for raw, module in model.named_modules():
                 if module is model or not raw:
@@ -125,10 +252,33 @@ class ActivationProbe:
             if len(models) == 1:  # the model's own output (pipeline chunks have none of their own)
                 self._handles.append(model.register_forward_hook(self._hook(OUTPUT)))
 
+    def _start_log(self, module: nn.Module, args: tuple) -> None:
+        if self._logged or self._log is not None:
+            return
+        self._log = OpLog(self._stack, max_numel=self.max_numel)
+        self._log.__enter__()
+
+    def _stop_log(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._log is None:
+            return
+        log, self._log = self._log, None
+        log.__exit__(None, None, None)
+        self.ops, self._logged = log.ops, True
+
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if name in self.captures:
                 return
+            log = self._log
+            if log is not None:  # the probe's own copies are not the model's ops
+                log.paused += 1
+            try:
+                keep(module, args, output)
+            finally:
+                if log is not None:
+                    log.paused -= 1
+
+        def keep(module: nn.Module, args: tuple, output: Any) -> None:
             out = first_tensor(output)
             if out is None or out.numel() > self.max_numel:
                 return
@@ -151,6 +301,9 @@ class ActivationProbe:
         return hook
 
     def detach(self) -> None:
+        if self._log is not None:  # a forward that never finished: no half log
+            log, self._log = self._log, None
+            log.__exit__(None, None, None)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -202,6 +355,7 @@ class ProbeData:
     # The reference's module outputs on each rank's input, replayed once for every check that
     # reads them (harness.analysis.probe_checks.reference_outputs).
     references: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+    reference_ops: dict[int, list[OpCapture]] = field(default_factory=dict, repr=False)
 
 
 def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
@@ -217,6 +371,7 @@ def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
         "input": strategy.probe.input,
         "order": strategy.probe.order,
         "captures": strategy.probe.captures,
+        "ops": strategy.probe.ops,
     }
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ProbeData([mine])
