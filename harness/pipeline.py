@@ -295,7 +295,7 @@ def diagnose_simulated(
     compared = compare_to_reference(case, Record.load(run.record_path), cache=cache, tolerance=tolerance, comparison=comparison,
                                     label=f"{target.name} on {world_size} simulated ranks vs reference")
     report = diagnosis_report(target, case, world_size, comparison=compared, record_path=run.record_path,
-                              trace_path=run.trace_path, cache=cache, elapsed_s=time.monotonic() - started)
+                              trace_path=run.trace_path, cache=cache, probe=run.probe, elapsed_s=time.monotonic() - started)
     report.target["simulated"] = True
     report.workdir = work
     return report, compared, run

@@ -15,7 +15,7 @@ from cases.catalog import mlp_case
 from harness.analysis.divergence import first_divergence_location
 from harness.analysis.probe_checks import _reference_outputs
 from harness.pipeline import diagnose_target
-from harness.record.probe import OUTPUT, Capture, ProbeData
+from harness.record.probe import OUTPUT, Capture, ProbeData, module_outputs, op_log
 from harness.report import format_terminal
 from harness.report.html import render_html
 
@@ -95,6 +95,105 @@ def test_a_passed_comparison_gets_no_location_whatever_the_probe_holds() -> None
 
     assert first_divergence_location(Passed(), _probe(x, held), CASE) is None
     assert first_divergence_location(_Failed(), _probe(x, held), CASE)["module"] == "fc1"
+
+
+# -- the op inside the module ----------------------------------------------------------------
+class _RMSNorm(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _NormMLP(torch.nn.Module):
+    """The reference: fc1 -> an RMS norm over its 16 features -> fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(8, 16), _RMSNorm(), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+class _ShardedNorm(torch.nn.Module):
+    """The norm on this rank's 8 of the 16 features: right, with the other rank's sum of
+    squares added (what an all-reduce gives), or the bug: the mean over the local shard."""
+
+    def __init__(self, others: torch.Tensor | None) -> None:
+        super().__init__()
+        self.others = others
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.others is None:  # BUG: normalised over the local shard only
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * torch.rsqrt((x.pow(2).sum(-1, keepdim=True) + self.others) / 16 + 1e-6)
+
+
+class _ShardedNormMLP(torch.nn.Module):
+    """One rank of a hand-written 2-way tensor-parallel _NormMLP: fc1 column-parallel (8 rows),
+    fc2 row-parallel with the other rank's partial sum added (its all-reduce)."""
+
+    def __init__(self, ref: _NormMLP, rank: int, x: torch.Tensor, *, bug: bool) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            self.fc1.weight.copy_(ref.fc1.weight.chunk(2, 0)[rank])
+            self.fc1.bias.copy_(ref.fc1.bias.chunk(2, 0)[rank])
+            h = ref.fc1(x)
+            others = h.chunk(2, 1)[1 - rank].pow(2).sum(-1, keepdim=True)
+            normed = ref.norm(h)
+            self.other_partial = normed.chunk(2, 1)[1 - rank] @ ref.fc2.weight.chunk(2, 1)[1 - rank].T
+        self.norm = _ShardedNorm(None if bug else others)
+        self.w2, self.b2 = ref.fc2.weight.chunk(2, 1)[rank].detach(), ref.fc2.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc1(x)) @ self.w2.T + self.other_partial + self.b2
+
+
+def _norm_case():
+    import functools
+
+    import torch.nn.functional as F
+
+    from cases.catalog import OPTIMIZERS
+    from cases.data import SyntheticRegression
+    from reference.case import Case
+
+    return Case(name="norm-mlp", model_factory=functools.partial(_NormMLP), dataset=SyntheticRegression(64, 8, 4),
+                loss_fn=F.mse_loss, optimizer_factory=OPTIMIZERS["sgd"], global_batch_size=16, steps=1)
+
+
+def _sharded_probe(case, x: torch.Tensor, *, bug: bool) -> ProbeData:
+    ranks = []
+    for rank in (0, 1):
+        model = _ShardedNormMLP(case.build_model("cpu"), rank, x, bug=bug)
+        ops, (outs, _) = op_log(model, lambda: module_outputs(model, lambda: model(x), dtype=torch.float32, whole=OUTPUT))
+        ranks.append({"rank": rank, "mesh": {"tp": rank}, "groups": {"tp": [0, 1]}, "stages": None, "input": x,
+                      "order": list(outs), "captures": {n: Capture(type(model).__name__, t) for n, t in outs.items()},
+                      "ops": ops})
+    return ProbeData(ranks)
+
+
+def test_a_norm_over_a_local_shard_is_located_at_its_mean_and_the_right_one_nowhere() -> None:
+    case = _norm_case()
+    x = torch.randn(4, 8)
+    # The right sharded norm writes the mean as sum + add + div: aligned at the run's end, it matches.
+    assert first_divergence_location(_Failed(), _sharded_probe(case, x, bug=False), case) is None
+    where = first_divergence_location(_Failed(), _sharded_probe(case, x, bug=True), case)
+    assert where is not None and (where["module"], where["op"], where["rank"]) == ("norm", "aten.mean.dim", 0), where
+    assert where["compared"].startswith("whole; op aligned exact") and where["max_abs"] > where["module_max_abs"] / 100
+    assert "op aten.mean.dim of module 'norm'" in where["line"]
+
+
+def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_path) -> None:
+    from cases.catalog import transformer_case
+    from harness.pipeline import simulate_target
+    from harness.targets.target import Target
+    from tests.test_simulate import RankSeededTP
+
+    report = simulate_target(Target("bug", transformer_case(steps=1, layers=2, dropout=0.1), RankSeededTP()), 2,
+                             workdir=tmp_path, cache=reference_cache)
+    where = report.diagnoses[0].evidence["first_divergent_op"]
+    assert (report.codes, where["module"], where["op"], where["rank"]) == (["rng-desync"], "dropout", "aten.bernoulli_.float", 1), where
 
 
 # -- real ranks ---------------------------------------------------------------------------------

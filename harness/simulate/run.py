@@ -26,7 +26,7 @@ from harness.parallel_dims import ParallelConfigError
 from harness.simulate.recorder import SimulatedRecorder
 from harness.simulate.support import DDP_REASON, REAL_RANKS, check_setup
 from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace, collective_records
-from harness.simulate.world import SimulatedWorld, SimulationError
+from harness.simulate.world import SimulatedWorld, SimulationError, rank_values
 
 __all__ = ["SimulatedRanks", "SimulatedRun", "simulate_strategy"]
 
@@ -46,6 +46,9 @@ class SimulatedRun:
     record_path: str
     trace_path: str
     world_size: int
+    # The activation probe's captures split per rank (harness.record.probe.ProbeData): the
+    # same evidence as real ranks collect (tp-partial-sum, rng-desync, where it departs).
+    probe: Any = None
 
 
 def _stack_batches(world: SimulatedWorld, per_rank: dict[int, list[Batch]]) -> list[Batch]:
@@ -99,7 +102,10 @@ def simulate_strategy(
     case = case.with_steps(steps)
     case.validate()
     check_dataset(case.dataset, sorted({i for s in range(case.steps) for i in global_batch_indices(case, s)}))
+    from harness.record.probe import ProbedStrategy
+
     record_path = Path(workdir) / f"simulated-{strategy.name}-{case.name}-w{world_size}"
+    strategy = ProbedStrategy(strategy)
     log = CollectiveLog()
     with SimulatedWorld(world_size) as world:
         with log:
@@ -151,10 +157,40 @@ def simulate_strategy(
                 recorder.finish(complete=False)  # keep the steps recorded so far
                 raise
         record = recorder.finish()
+        probe = _probe_per_rank(strategy, layouts, world)
     trace = build_trace(world_size, groups, layouts, params, samples, collective_records(log.calls, groups),
                         {"case": case.name, "strategy": strategy.name}, random_draws=log.random_draws)
     trace_path = str(trace.save(Path(record.path) / TRACE_FILE))
-    return SimulatedRun(str(record.path), trace_path, world_size)
+    return SimulatedRun(str(record.path), trace_path, world_size, probe)
+
+
+def _probe_per_rank(probed: Any, layouts: dict[int, Any], world: SimulatedWorld) -> Any:
+    """The probe of one SPMD forward (each capture a LocalTensor holding every rank's value)
+    as the per-rank captures real ranks would have collected."""
+    from reference.case import map_tensors
+
+    from harness.record.probe import ProbeData
+
+    probe = probed.probe
+
+    def of(value: Any, rank: int) -> Any:
+        return None if value is None else rank_values(value, world.ranks)[rank]
+
+    ranks = []
+    for r in world.ranks:
+        layout = layouts[r]
+        ranks.append({
+            "rank": r,
+            "mesh": dict(layout.mesh),
+            "groups": {k: list(v) for k, v in layout.groups.items()},
+            "stages": list(layout.stages) if layout.stages is not None else None,
+            "input": map_tensors(lambda t: of(t, r), probe.input) if probe.input is not None else None,
+            "order": list(probe.order),
+            "captures": {name: dataclasses.replace(cap, output=of(cap.output, r), input=of(cap.input, r))
+                         for name, cap in probe.captures.items()},
+            "ops": [dataclasses.replace(op, output=of(op.output, r)) for op in probe.ops],
+        })
+    return ProbeData(ranks)
 
 
 def _setup_failed(name: str, exc: Exception) -> SimulationError | None:
