@@ -205,6 +205,13 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     # a row-parallel matmul inline in forward(): its bias add on an unreduced partial sum, found
     # by aligning the whole forward (the reference runs it in fc2)
     ("tests/custom_loops/tp_inline_row_parallel.py", "forward", "<model output>", 0, "aten.add.Tensor"),
+    # a LayerNorm over features sharded by hand, normalised over each rank's half: its own op
+    ("tests/custom_loops/tp_norm_on_local_shard.py", "forward", "blocks.0.norm", 0, "aten.native_layer_norm.default"),
+    # vocab-parallel cross entropy that lets the padded logit in: the forward matches up to the
+    # head (whose padded output has no reference shape), the loss does not
+    ("tests/custom_loops/vocab_parallel_padded_loss.py", "loss", "after norm", 0, None),
+    # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
+    ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
 ])
 def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache, tmp_path, target: str, phase: str,
                                                    module: str, rank: int | None, op: str) -> None:
@@ -217,6 +224,14 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
     assert f"where: {where[0]['line']}" in format_terminal(report)
     assert "where it departs" in render_html(report)
     assert json.loads(json.dumps(report.to_json()))["diagnoses"][0]["evidence"]["first_divergent_op"]["module"] == module
+
+
+@pytest.mark.parametrize("target", ["tests/custom_loops/tp_norm_on_local_shard.py:correct",
+                                    "tests/custom_loops/vocab_parallel_padded_loss.py:correct",
+                                    "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded"])
+def test_the_right_versions_of_the_held_out_bugs_pass_without_a_location(rank_runner, reference_cache, tmp_path, target: str) -> None:
+    report = diagnose_target(target, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
+    assert report.verdict.verdict == "pass" and "first_divergent_op" not in json.dumps(report.to_json()), report.verdict.to_dict()
 
 
 def test_a_correct_tp_run_and_a_bug_the_forward_does_not_show_get_no_location(rank_runner, reference_cache, tmp_path) -> None:

@@ -1,4 +1,5 @@
-"""Where a failing run departs: the first module whose forward output leaves the reference's;
+"""Where a failing run departs: the first module whose forward output leaves the reference's
+(and the op inside it); else the loss, when the forward matches and step 0's loss does not;
 else the optimizer step when the gradients match and the update does not; else the first
 failing gradient in backward order when only some of a step's gradients fail.
 
@@ -40,7 +41,7 @@ import torch
 from reference.case import Case
 
 from harness.analysis.compare import CompareResult, TensorComparison
-from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_ops, reference_outputs
+from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_loss, reference_ops, reference_outputs
 from harness.record.probe import OUTPUT, OpCapture, ProbeData
 
 __all__ = ["first_divergence_location", "location_line"]
@@ -142,14 +143,20 @@ def _judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, 
     return _Judged("departs", max_abs, max_rel, compared)
 
 
-def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
+def _forward_location(data: ProbeData, case: Case, matched: list[str] | None = None) -> dict[str, Any] | None:
+    """The first module whose output departs (module docstring), with its op; None when none
+    does. ``matched`` (when given) receives, in order, the modules whose output was compared
+    and matched on every probed rank."""
     rtol, atol = _tolerance(case.dtype)
     by_rank = {r["rank"]: r for r in data.ranks}
     first: dict[str, Any] | None = None
+    compared_on: dict[str, int] = {}
+    probed = 0
     for rank, entry in sorted(by_rank.items()):
         if entry["input"] is None or entry["stages"] not in (None, [0]):
             continue  # later pipeline stages do not see the model input
         ref = reference_outputs(data, rank, case)
+        probed += 1
         coord, group = _tp(entry)
         pending: list[str] = []  # modules whose output matched only as a partial sum, not reduced since
         for position, name in enumerate(entry["order"]):
@@ -164,6 +171,7 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
                 pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
                 continue
             if judged.status == "within":
+                compared_on[name] = compared_on.get(name, 0) + 1
                 if name != OUTPUT:  # reduced at or inside ``name``: those partials were not the departure
                     pending = [q for q in pending if not q.startswith(name + ".")]
                 continue
@@ -184,6 +192,8 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
             if first is None or position < first["position"]:
                 first = found
             break
+    if matched is not None and first is None:
+        matched += [n for n, count in compared_on.items() if count == probed]
     if first is not None:
         first.pop("position")
         name = first.pop("_name")
@@ -194,6 +204,10 @@ def _forward_location(data: ProbeData, case: Case) -> dict[str, Any] | None:
             op = {"op_note": f"the op inside {first['module']!r} was not located: {type(exc).__name__}: {exc}"}
         if "max_abs" in op:
             first["module_max_abs"] = first["max_abs"]
+        if op.get("inline_before"):  # the parent's own code departed first: the location is the parent
+            parent = "" if op["op_module"] == "<model output>" else op["op_module"]
+            held = by_rank[first["rank"]]["captures"].get(parent or OUTPUT)
+            first["module"], first["module_type"] = op["op_module"], held.module_type if held is not None else None
         first.update(op)
     return first
 
@@ -257,22 +271,23 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
             return None
         return torch.stack([v.output for v in values]).sum(0)
 
-    scopes = [("in the module itself", lambda m: m == module)]
-    if module:
-        scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
-    else:  # the model's own forward: what it computes inline runs in the reference's submodules
-        scopes.append(("in the whole forward, aligned regardless of modules", lambda m: True))
-    for scope, inside in scopes:
-        held = [o for o in held_ops if inside(o.module)]
-        ref = [o for o in ref_ops if inside(o.module)]
-        pairs = _aligned(held, ref)
+    def scan(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], scope: str,
+             only: Callable[[OpCapture], bool] = lambda o: True) -> tuple[dict[str, Any] | None, OpCapture | None]:
+        """The first held op of ``pairs`` (those ``only`` admits) that departs (or, with
+        ``partial``, is the partial sum), as the location's op fields; else (None, the last
+        op that matched)."""
         last_within: OpCapture | None = None
         partial_before: OpCapture | None = None  # the last op whose output matched only summed over the group
+        rows: list[dict[str, Any]] = []  # each compared op up to the departing one, for the report's numerics table
         for mine, theirs, how in pairs:
+            if not only(mine):
+                continue
             judged = _judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peer_sum(mine), rtol, atol)
             if judged is None:
                 continue
             hit = judged.status == "partial" if partial else judged.status == "departs"
+            rows.append({"op": mine.op, "module": mine.module or "<model output>", "reference_op": theirs.op,
+                         "status": judged.status, "max_abs": judged.max_abs, "compared": judged.compared, "aligned": how})
             if not hit:
                 last_within = mine
                 if judged.status == "partial":
@@ -282,7 +297,7 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
                 continue
             index = next(i for i, o in enumerate(o for o in held if o.output is not None) if o is mine)
             where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
-                     "op_index": index, "ops_compared": len(pairs)}
+                     "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:]}
             since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
             collective = next((o for o in reversed(since) if o.output is None), None)
             if collective is not None:
@@ -291,9 +306,34 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
                 where["after_partial"] = {"op": partial_before.op, "module": partial_before.module or "<model output>",
                                           "over": group}
             if partial:  # the module's figures (where the partial showed) stay; the op made the partial
-                return {**where, "op_compared": f"{judged.compared}; op aligned {how}, {scope}"}
+                return {**where, "op_compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
             return {**where, "max_abs": judged.max_abs, "max_rel": judged.max_rel,
-                    "compared": f"{judged.compared}; op aligned {how}, {scope}"}
+                    "compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
+        return None, last_within
+
+    if module and not partial:
+        # What the module's parents compute inline before it (a norm written as plain calls in
+        # a block's forward) reaches the module as its input: the first op of a parent that
+        # departs before the module's own ops is where the values left the reference.
+        ancestors = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
+        first_own = next((i for i, o in enumerate(held_ops) if o.module == module or o.module.startswith(module + ".")), None)
+        before = held_ops[:first_own] if first_own is not None else []
+        found, _ = scan(_aligned(held_ops, ref_ops), held_ops, f"inline in the forward of a module containing {module!r}, before it",
+                        lambda o: o.module in ancestors and any(o is b for b in before))
+        if found is not None:
+            return {**found, "inline_before": module}
+    scopes = [("in the module itself", lambda m: m == module)]
+    if module:
+        scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
+    else:  # the model's own forward: what it computes inline runs in the reference's submodules
+        scopes.append(("in the whole forward, aligned regardless of modules", lambda m: True))
+    for scope, inside in scopes:
+        held = [o for o in held_ops if inside(o.module)]
+        ref = [o for o in ref_ops if inside(o.module)]
+        pairs = _aligned(held, ref)
+        found, last_within = scan(pairs, held, scope)
+        if found is not None:
+            return found
         after = held[held.index(last_within) + 1:] if last_within is not None else held
         collective = next((o for o in after if o.output is None), None)
         if collective is not None and pairs:
@@ -311,6 +351,73 @@ def _first_failing_step(comparison: CompareResult) -> tuple[int, list[TensorComp
         return None
     step = min(t.step for t in failures)
     return step, [t for t in comparison.tensors if t.step == step]
+
+
+def _input_location(probe: ProbeData, case: Case) -> dict[str, Any] | None:
+    """A loop that reads its own batches fed the model something other than the samples it
+    reported (run.loss's ids) in its first forward: an augmentation, noise, a wrong cast. The
+    values depart before the model; the first such rank."""
+    from reference.case import tensors_in
+
+    rtol, atol = _tolerance(case.dtype)
+    for entry in sorted(probe.ranks, key=lambda r: r["rank"]):
+        held, expected = entry.get("input"), entry.get("expected_input")
+        if held is None or expected is None:
+            continue
+        pairs = list(zip(tensors_in(held), tensors_in(expected)))
+        if len(tensors_in(held)) != len(tensors_in(expected)) or any(a.shape != b.shape for a, b in pairs):
+            continue  # another structure than the case's batches: not comparable
+        for a, b in pairs:
+            if a.is_floating_point() or b.is_floating_point():
+                within, max_abs, max_rel = _difference(a.float(), b.float(), rtol, atol)
+            else:
+                within, max_abs, max_rel = torch.equal(a, b), float((a != b).sum()), 0.0
+            if not within:
+                return {"phase": "input", "module": "<model input>", "module_type": None, "op": None, "rank": entry["rank"],
+                        "step": 0, "max_abs": max_abs, "max_rel": max_rel,
+                        "tolerance": {"rtol": rtol, "atol": atol, "of": "max |samples|"},
+                        "compared": f"the input of rank {entry['rank']}'s first forward against the collated samples it "
+                                    f"reported ({len(entry['ids'])} ids: {entry['ids'][:4]}{'...' if len(entry['ids']) > 4 else ''})"}
+    return None
+
+
+def _loss_location(comparison: CompareResult, probe: ProbeData | None, case: Case, matched: list[str]) -> dict[str, Any] | None:
+    """Step 0's loss departs, every module output of the probed forward that could be compared
+    matched on every rank, and a rank's own loss on its probed micro-batch departs from the
+    reference's loss on the same inputs and targets: the values leave the reference after
+    the model's forward (or after the last module compared), in the loss computation. A rank
+    whose own loss matches the reference's on its own batch is no evidence of that: the step
+    differs by what the ranks read (their samples, their per-replica statistics)."""
+    first = _first_failing_step(comparison)
+    if probe is None or first is None or first[0] != 0 or not matched:
+        return None
+    if not any(t.kind == "loss" and not t.passed for t in first[1]):
+        return None
+    rtol, atol = _tolerance(case.dtype)
+    worst: tuple[int, float, float, float, float] | None = None
+    for entry in sorted(probe.ranks, key=lambda r: r["rank"]):
+        held = entry.get("loss")
+        if held is None or entry["stages"] not in (None, [0]):
+            continue
+        expected = reference_loss(probe, entry["rank"], case)
+        if expected is None or expected.numel() != 1:
+            continue
+        within, max_abs, max_rel = _difference(held.reshape(()), expected.reshape(()), rtol, atol)
+        if not within and (worst is None or max_abs > worst[1]):
+            worst = (entry["rank"], max_abs, max_rel, float(held), float(expected))
+    if worst is None:
+        return None
+    rank, max_abs, max_rel, held, expected = worst
+    whole = OUTPUT in matched
+    last = next((n for n in reversed(matched) if n != OUTPUT), None)
+    after = "the model's output" if whole else f"module {last!r}, the last module output compared"
+    return {"phase": "loss", "module": "<loss>" if whole else f"after {last}", "module_type": None, "op": None,
+            "rank": rank, "step": 0, "max_abs": max_abs, "max_rel": max_rel,
+            "tolerance": {"rtol": rtol, "atol": atol, "of": "|reference loss|"},
+            "compared": f"rank {rank}'s loss on its first micro-batch is {held:.6g}, the reference's on the same inputs and "
+                        f"targets {expected:.6g}; the forward matches in every module output compared on every rank "
+                        f"({len(matched)}, up to {after})",
+            "matched_modules": len(matched), "model_output_compared": whole}
 
 
 def _optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any] | None:
@@ -363,12 +470,17 @@ def first_divergence_location(comparison: CompareResult | None, probe: ProbeData
     """Where a failed run departs (module docstring), or None: a passed run, or no evidence."""
     if comparison is None or comparison.passed or case is None:
         return None
+    matched: list[str] = []
     if probe is not None:
-        found = _forward_location(probe, case)
+        found = _input_location(probe, case)
         if found is not None:
             found["line"] = location_line(found)
             return found
-    found = _optimizer_location(comparison, case) or _backward_location(comparison)
+        found = _forward_location(probe, case, matched)
+        if found is not None:
+            found["line"] = location_line(found)
+            return found
+    found = _loss_location(comparison, probe, case, matched) or _optimizer_location(comparison, case) or _backward_location(comparison)
     if found is not None:
         found["line"] = location_line(found)
     return found
@@ -379,6 +491,13 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc["phase"] == "optimizer":
         return (f"departs in the optimizer step of step {loc['step']} ({loc['op']}): {loc['compared']}; first "
                 f"{loc['module']!r} (max abs {loc['max_abs']:.3g})")
+    if loc["phase"] == "input":
+        return (f"departs before the model, in its input, at step 0 on rank {loc['rank']}: {loc['compared']} differ by "
+                f"max abs {loc['max_abs']:.3g} (an augmentation, noise or cast applied to the batch)")
+    if loc["phase"] == "loss":
+        where = "in the loss computation after the model's forward" if loc.get("model_output_compared") else \
+            f"between {loc['module'].removeprefix('after ')!r} and the loss (the model's output itself could not be compared)"
+        return f"departs {where} at step 0 on rank {loc['rank']}: {loc['compared']}"
     if loc["phase"] == "backward":
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
@@ -387,6 +506,8 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc.get("op"):
         inner = "" if loc.get("op_module") in (None, loc["module"]) else f" (in {loc['op_module']!r})"
         at = f"op {loc['op']}{inner} of {at}"
+        if loc.get("inline_before"):
+            at += f", inline in its forward before its submodule {loc['inline_before']!r}"
     if loc.get("consumed_by"):
         return (f"departs in the forward of step 0 at {at} on rank {loc['rank']}: "
                 f"its output is a partial sum over the tensor-parallel group {loc['partial_over']} (the reference's only "

@@ -20,7 +20,7 @@ from reference.case import Case, tensors_in
 from harness.codes import Diagnosis
 from harness.record.probe import OUTPUT, OpCapture, ProbeData, module_outputs, op_log
 
-__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_ops", "reference_outputs"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_loss", "reference_ops", "reference_outputs"]
 
 # The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
 # ranks moves values by ulps of their magnitude, a bug by orders more.
@@ -61,6 +61,18 @@ def reference_ops(data: ProbeData, rank: int, case: Case) -> list[OpCapture]:
     """The reference's op log on ``rank``'s captured input (the same replay)."""
     _replayed(data, rank, case)
     return data.reference_ops[rank]
+
+
+def reference_loss(data: ProbeData, rank: int, case: Case) -> torch.Tensor | None:
+    """The reference's loss on ``rank``'s probed micro-batch (its inputs and targets), as the
+    case's loss_fn returns it; None without targets."""
+    entry = next(r for r in data.ranks if r["rank"] == rank)
+    if entry.get("targets") is None or entry.get("input") is None:
+        return None
+    model = case.build_model("cpu")
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(case.seed)
+        return case.compute_loss(case.call_model(model, entry["input"]), entry["targets"]).detach().float()
 
 
 def _same_values(a: Any, b: Any) -> bool:

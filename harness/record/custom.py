@@ -273,7 +273,7 @@ class CustomRun:
         ]
         if step == 0 and batches and self.probe is not None and self.probe.input is None:
             # The probe replays the reference on the input of the first forward, this one.
-            self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), batches[0].inputs)
+            self.probe.keep_batch(batches[0])
         return batches
 
     def loss_weight(self, batch: Batch | int, *, grad_reduction: str = "mean", step: int | None = None) -> float:
@@ -302,6 +302,13 @@ class CustomRun:
         if normaliser is None and self.case.loss_normaliser is not None:
             normaliser = self.case.normaliser(self._collate_ids(sample_ids, step))
         self._rec("loss").micro_batch(step, loss, sample_ids, normaliser)
+        probe = self.probe
+        if step == 0 and probe is not None and probe.input is not None and probe.loss is None:
+            if probe.ids is None:  # the input came from the forward itself: what samples it should hold
+                probe.ids = [int(i) for i in sample_ids]
+                probe.expected_input = map_tensors(lambda t: t.detach().cpu().clone(), self._collate_ids(sample_ids, step).inputs)
+            elif [int(i) for i in sample_ids] == probe.ids and isinstance(loss, torch.Tensor):
+                probe.keep_loss(loss)  # the probed micro-batch's loss: replayed against the reference's
         self._step(step)
         if self.tracer is not None:
             self.tracer.record_samples(step, sample_ids)

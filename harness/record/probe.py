@@ -229,6 +229,14 @@ class ActivationProbe:
         self.captures: dict[str, Capture] = {}
         self.order: list[str] = []
         self.input: torch.Tensor | None = None
+        # The same micro-batch's targets, sample ids and this rank's loss on it (as the case's
+        # loss_fn returns it; None where the rank computes none): the loss is replayed too.
+        self.targets: Any = None
+        self.ids: list[int] | None = None
+        self.loss: torch.Tensor | None = None
+        # The collated samples of ``ids`` when the input was taken from the forward itself (a
+        # loop with its own loader): an input that is not those samples departs before the model.
+        self.expected_input: Any = None
         self.ops: list[OpCapture] = []  # the first forward's op log (a single model only)
         self._handles: list[Any] = []
         self._stack: list[str] = []
@@ -241,7 +249,7 @@ class ActivationProbe:
             # first, so it runs before the capture hooks' own) and left by its post-hook,
             # which runs on an exception too: a mode must never outlive the forward it logs.
             self._handles += track_modules(models, self._stack)
-            self._handles.append(models[0].register_forward_pre_hook(self._start_log))
+            self._handles.append(models[0].register_forward_pre_hook(self._start_log, with_kwargs=True))
             self._handles.append(models[0].register_forward_hook(self._stop_log, always_call=True))
         for i, model in enumerate(models):
             for raw, module in model.named_modules():
@@ -252,9 +260,12 @@ class ActivationProbe:
             if len(models) == 1:  # the model's own output (pipeline chunks have none of their own)
                 self._handles.append(model.register_forward_hook(self._hook(OUTPUT)))
 
-    def _start_log(self, module: nn.Module, args: tuple) -> None:
+    def _start_log(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._logged or self._log is not None:
             return
+        if self.input is None:  # a loop that reads its own batches: the forward's own input
+            given = dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else tuple(args))
+            self.input = map_tensors(lambda t: (t.to_local() if is_dtensor(t) else t).detach().cpu().clone(), given)
         self._log = OpLog(self._stack, max_numel=self.max_numel)
         self._log.__enter__()
 
@@ -300,6 +311,17 @@ class ActivationProbe:
 
         return hook
 
+    def keep_batch(self, batch: Batch) -> None:
+        """The probed micro-batch: the reference is replayed on its inputs and targets."""
+        self.input = map_tensors(lambda t: t.detach().cpu().clone(), batch.inputs)
+        self.targets = map_tensors(lambda t: t.detach().cpu().clone(), batch.targets)
+        self.ids = [int(i) for i in batch.ids]
+
+    def keep_loss(self, loss: Any) -> None:
+        """This rank's loss on the probed micro-batch (None: it computes none)."""
+        if self.loss is None and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.loss = loss.detach().float().cpu().clone().reshape(())
+
     def detach(self) -> None:
         if self._log is not None:  # a forward that never finished: no half log
             log, self._log = self._log, None
@@ -333,12 +355,15 @@ class ProbedStrategy:
             return self.inner.forward_backward(case, setup, micro_batches)
         self._done = True
         models = [setup.model] if isinstance(setup.model, nn.Module) else list(setup.model)
-        self.probe.input = map_tensors(lambda t: t.detach().cpu().clone(), micro_batches[0].inputs)
+        self.probe.keep_batch(micro_batches[0])
         self.probe.attach(models)
         try:
-            return self.inner.forward_backward(case, setup, micro_batches)
+            losses = self.inner.forward_backward(case, setup, micro_batches)
         finally:
             self.probe.detach()
+        if losses:
+            self.probe.keep_loss(losses[0])
+        return losses
 
     def optimizer_step(self, case: Case, setup: Any) -> None:
         self.inner.optimizer_step(case, setup)
@@ -369,6 +394,10 @@ def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
         "groups": {k: list(v) for k, v in layout.groups.items()} if layout is not None else {},
         "stages": list(layout.stages) if layout is not None and layout.stages is not None else None,
         "input": strategy.probe.input,
+        "targets": strategy.probe.targets,
+        "loss": strategy.probe.loss,
+        "ids": strategy.probe.ids,
+        "expected_input": strategy.probe.expected_input,
         "order": strategy.probe.order,
         "captures": strategy.probe.captures,
         "ops": strategy.probe.ops,

@@ -86,8 +86,17 @@ def _where(loc: Any) -> str:
              f"{loc.get('max_abs', 0.0):.3g}", json.dumps(loc.get("tolerance")), loc.get("compared")]
     head = "".join(f"<th>{h}</th>" for h in ("phase", "module", "type / op", "rank", "max abs", "tolerance", "compared with"))
     row = "".join(f"<td>{_e(str(c))}</td>" for c in cells)
+    ops = ""
+    if loc.get("op_rows"):  # the module's ops against the reference's, the departing one last and marked
+        op_head = "".join(f"<th>{h}</th>" for h in ("op", "module", "reference op", "aligned", "max abs", "compared with", "status"))
+        op_rows = "".join(
+            f"<tr class='{'first' if i == len(loc['op_rows']) - 1 else ''}'>"
+            + "".join(f"<td>{_e(str(c))}</td>" for c in (r["op"], r["module"], r["reference_op"], r["aligned"],
+                                                             f"{r['max_abs']:.3g}", r["compared"], r["status"]))
+            + "</tr>" for i, r in enumerate(loc["op_rows"]))
+        ops = f"<table class='numerics'><tr>{op_head}</tr>{op_rows}</table>"
     return (f"<p class='where'><b>where it departs:</b> {_e(loc.get('line', ''))}</p>"
-            f"<table class='numerics'><tr>{head}</tr><tr class='first'>{row}</tr></table>")
+            f"<table class='numerics'><tr>{head}</tr><tr class='first'>{row}</tr></table>{ops}")
 
 
 def _diagnoses(report: DiagnosisReport) -> str:

@@ -185,6 +185,10 @@ def _probe_per_rank(probed: Any, layouts: dict[int, Any], world: SimulatedWorld)
             "groups": {k: list(v) for k, v in layout.groups.items()},
             "stages": list(layout.stages) if layout.stages is not None else None,
             "input": map_tensors(lambda t: of(t, r), probe.input) if probe.input is not None else None,
+            "targets": map_tensors(lambda t: of(t, r), probe.targets) if probe.targets is not None else None,
+            "loss": of(probe.loss, r),
+            "ids": None,  # every rank's ids differ; a simulated strategy reads its batches through the harness
+            "expected_input": None,
             "order": list(probe.order),
             "captures": {name: dataclasses.replace(cap, output=of(cap.output, r), input=of(cap.input, r))
                          for name, cap in probe.captures.items()},
