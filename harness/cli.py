@@ -80,7 +80,64 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--all-ranks", action="store_true", help="list every rank (default: one row per distinct figures)")
     lay.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     sub.add_parser("list", help="list bundled targets")
+    prof = sub.add_parser("profile", help="step 5 of the method: diagnose TARGET, then profile K steps on every rank "
+                                          "(compute, communication, overlap, collectives, memory, pipeline bubble)")
+    prof.add_argument("target", help="bundled name, path/to/file.py or path/to/file.py:NAME (a strategy target)")
+    prof.add_argument("--nproc", type=int, default=None, help="ranks to run (default: the target's NPROC, else 2)")
+    prof.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    prof.add_argument("--warmup", type=int, default=1, help="unprofiled steps before them (default 1)")
+    prof.add_argument("--json", metavar="PATH", help="write the verdict and the profile as JSON here")
+    prof.add_argument("--html", metavar="PATH", help="write the profile as a self-contained HTML page here")
+    prof.add_argument("--out", metavar="DIR", default="harness-reports",
+                      help="each rank's Chrome trace goes to DIR/profile-TARGET/rank<r>.json (default harness-reports)")
+    prof.add_argument("--timeout", type=float, default=None, help=f"seconds before a run counts as hung (default {settings.RUN_TIMEOUT_S:g})")
+    prof.add_argument("--cache", metavar="DIR", default=None, help="reference cache (default $HARNESS_CACHE_DIR or ./.harness_cache)")
+    prof.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser
+
+
+def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``profile``: the verdict first (a profile of a wrong run is a profile of the wrong
+    program), then the profiled steps on the same warm ranks."""
+    import json
+
+    from harness.launch.remote import RankRunner
+    from harness.pipeline import diagnose_target, profile_target
+    from harness.report import format_terminal
+    from harness.report.profile import format_profile, render_profile_html
+    from reference.files import write_atomic
+    from harness.targets.bundled import load_target
+    from harness.targets.target import TargetError
+
+    if args.steps < 1 or args.warmup < 0:
+        return _usage(parser, f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.nproc is not None and args.nproc < 1:
+        return _usage(parser, f"--nproc must be >= 1, got {args.nproc}")
+    try:
+        target = load_target(args.target)
+    except TargetError as exc:
+        return _usage(parser, str(exc))
+    if target.strategy is None:
+        return _usage(parser, f"{target.name}: profile runs a strategy target's steps; a custom loop (train(ctx, run)) "
+                              "or a layout plan cannot be profiled yet")
+    runner = RankRunner()
+    try:
+        report = diagnose_target(args.target, nproc=args.nproc, runner=runner, timeout=args.timeout, cache=args.cache,
+                                 echo=_echo(args.quiet))
+        print(format_terminal(report))
+        _echo(args.quiet)(f"profile: {args.warmup} warm-up and {args.steps} profiled steps on every rank")
+        profile = profile_target(args.target, nproc=args.nproc, steps=args.steps, warmup=args.warmup, runner=runner,
+                                 timeout=args.timeout, trace_dir=os.path.join(args.out, f"profile-{target.name}"))
+    finally:
+        runner.close()
+    print(format_profile(profile))
+    if args.json:
+        write_atomic(args.json, json.dumps({"verdict": report.verdict.to_dict(), "profile": profile}, indent=2, default=str))
+        print(f"  wrote {args.json}")
+    if args.html:
+        write_atomic(args.html, render_profile_html(profile, verdict=report.verdict.to_dict()))
+        print(f"  wrote {args.html}")
+    return report.exit_code
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:
@@ -274,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "layout":
         sys.path.insert(0, os.getcwd())
         return _layout(args, parser)
+    if args.command == "profile":
+        sys.path.insert(0, os.getcwd())
+        return _profile(args, parser)
     if args.command == "list":
         try:
             return _list()

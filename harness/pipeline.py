@@ -656,3 +656,61 @@ def _diagnose_once(
             runner.close()
     report.workdir = work
     return report
+
+
+# -- step 5 of the method: the profile of a correct run ---------------------------------------
+def profile_on_rank(ctx: Any, target_spec: str, steps: int, warmup: int, trace_dir: str) -> dict[str, Any] | None:
+    """Rank body of :func:`profile_target` (collective): this rank's profiled steps
+    (:func:`harness.record.profiling.profile_strategy`) read into figures on the rank that
+    wrote the trace (:func:`harness.analysis.profile.rank_profile`); every rank's on rank 0."""
+    import torch.distributed as dist
+
+    from harness.analysis.profile import rank_profile
+    from harness.record.profiling import profile_strategy
+    from harness.targets.bundled import load_target
+
+    target = load_target(target_spec)
+    mine = rank_profile(profile_strategy(target.case, target.strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir))
+    every: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if every is None:
+        return None
+    return {"ranks": every, "global_batch_size": target.case.global_batch_size, "micro_batches": target.case.micro_batches}
+
+
+def profile_target(
+    target: str,
+    *,
+    nproc: int | None = None,
+    steps: int = 3,
+    warmup: int = 1,
+    trace_dir: str | os.PathLike[str],
+    runner: RankRunner | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """The profile (:func:`harness.analysis.profile.build_profile`) of ``steps`` steps of
+    ``target``'s strategy after ``warmup`` on ``nproc`` ranks (default: the target's NPROC,
+    else 2); each rank's Chrome trace in ``trace_dir``."""
+    from harness.analysis.profile import build_profile
+    from harness.targets.bundled import load_target
+
+    resolved = load_target(target)
+    if resolved.strategy is None:
+        raise TargetError(f"{resolved.name}: profile runs a strategy's steps; a custom loop (train(ctx, run)) or a "
+                          "layout plan has no steps the harness drives, so it cannot be profiled yet")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise TargetError(f"profile needs steps >= 1 and warmup >= 0, got steps={steps!r}, warmup={warmup!r}")
+    world = nproc or resolved.nproc or 2
+    own = runner is None
+    runner = runner or RankRunner()
+    try:
+        result = runner.run(profile_on_rank, nproc=world, timeout=timeout or resolved.timeout or settings.RUN_TIMEOUT_S,
+                            kwargs={"target_spec": target, "steps": steps, "warmup": warmup, "trace_dir": str(trace_dir)})
+    finally:
+        if own:
+            runner.close()
+    gathered = result.values[0]
+    profile = build_profile(gathered, steps=steps, warmup=warmup)
+    profile.update({"target": resolved.name, "strategy": resolved.strategy.name, "case": resolved.case.name, "nproc": world,
+                    "trace_dir": str(trace_dir)})
+    return profile

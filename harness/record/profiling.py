@@ -1,0 +1,93 @@
+"""Profiled steps on the ranks: step 5 of the debugging method, the profile of a run whose
+numbers already agree with one device.
+
+Collective: the target's strategy is set up afresh, trains ``warmup`` steps unprofiled (first
+calls allocate, build groups and warm caches), then ``steps`` steps under ``torch.profiler``,
+each inside a ``harness.step#k`` annotation. Each rank exports its own Chrome trace (which
+:func:`harness.analysis.profile.summarize_rank` reads); the harness's own collective trace of
+the same steps (:class:`~harness.tracing.tracer.Tracer`) travels beside it, so the profiler's
+collective counts and bytes are checked against what the hooks saw.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reference.case import Case, tensors_in
+
+from harness.strategy import DistContextLike
+
+__all__ = ["STEP_MARK", "profile_strategy"]
+
+STEP_MARK = "harness.step#"  # the annotation of each profiled step: harness.step#<step>
+
+
+def _train_step(case: Case, strategy: Any, setup: Any, step: int, tracer: Any) -> int:
+    """One unrecorded training step; returns the tokens (integer input elements) it read on this rank."""
+    tracer.begin_step(step)
+    batches = strategy.local_batches(case, setup, step)
+    strategy.forward_backward(case, setup, batches)
+    if case.grad_clip is not None:
+        strategy.clip_gradients(case, setup)
+    strategy.optimizer_step(case, setup)
+    setup.step_lr_scheduler()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return sum(t.numel() for b in batches for t in tensors_in(b.inputs) if not t.is_floating_point())
+
+
+def profile_strategy(case: Case, strategy: Any, ctx: DistContextLike, *, steps: int, warmup: int,
+                     trace_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Collective: profile ``steps`` steps after ``warmup`` (see the module docstring); this
+    rank's Chrome trace is written to ``trace_dir/rank<r>.json``. Returns what the trace does
+    not hold: its path, the hooks' collectives of those steps, the tokens read, the state's bytes."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from harness.record.memory import state_bytes
+    from harness.tracing.tracer import Tracer
+
+    case = case.with_steps(warmup + steps)
+    tracer = Tracer(name=f"profile-{strategy.name}-{case.name}")
+    setup = strategy.setup(case, ctx)
+    setup.start_lr_scheduler(case)
+    tracer.describe(layout=setup.layout, model=setup.model, state=setup.state)
+    case.seed_training()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    tokens = 0
+    with tracer:
+        for step in range(warmup):
+            _train_step(case, strategy, setup, step, tracer)
+        tracer.set_phase("harness")
+        dist.barrier()  # every rank starts its profiled steps together: the slowest rank is the slowest at work
+        tracer.set_phase("train")
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
+            for step in range(warmup, warmup + steps):
+                with record_function(f"{STEP_MARK}{step}"):
+                    tokens += _train_step(case, strategy, setup, step, tracer)
+        tracer.set_phase("harness")
+    path = Path(trace_dir) / f"rank{ctx.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    rank_trace = tracer.finish()
+    hooks_saw = [
+        {"op": c.op, "group": c.group_desc or c.group, "group_ranks": c.group_ranks, "shapes": c.shapes, "dtypes": c.dtypes,
+         "is_p2p": c.is_p2p}
+        for c in rank_trace.collectives if c.step is not None and c.step >= warmup and c.phase != "harness"
+    ]
+    models = [setup.model] if isinstance(setup.model, torch.nn.Module) else list(setup.model)
+    param_b, grad_b, optim_b = state_bytes(models, setup.optimizer)
+    summary: dict[str, Any] = {
+        "rank": ctx.rank, "trace": str(path), "hooks_saw": hooks_saw, "tokens": tokens,
+        "state_bytes": {"params": param_b, "grads": grad_b, "optimizer": optim_b},
+        "stages": list(setup.layout.stages) if setup.layout is not None and setup.layout.stages is not None else None,
+        "mesh": dict(setup.layout.mesh) if setup.layout is not None else {},
+    }
+    if ctx.device.type == "cuda":
+        summary["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(ctx.device))
+    return summary

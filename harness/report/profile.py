@@ -1,0 +1,110 @@
+"""The profile of a correct run (:func:`harness.analysis.profile.build_profile`) for people: a
+terminal table and a self-contained HTML page (per-rank bars of compute, communication and
+idle; the bubble against theory; collective bytes per group; memory)."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+__all__ = ["format_profile", "render_profile_html"]
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.2f} ms"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _collectives(c: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{op} x{v['count']} {_bytes(v['bytes'])}" for op, v in sorted(c.items())) or "none"
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    """The profile as terminal lines."""
+    lines = [f"profile {profile['target']} ({profile['strategy']}, case {profile['case']!r}) on {profile['nproc']} ranks: "
+             f"{profile['steps']} steps after {profile['warmup']} warm-up ({profile['informational']})",
+             f"  {'rank':>4}  {'step':>10}  {'compute':>10}  {'comm':>10}  {'overlap':>10}  {'exposed':>10}  {'idle':>10}  "
+             f"{'peak alloc':>10}  collectives over the profiled steps"]
+    for r in profile["ranks"].values():
+        lines.append(f"  {r['rank']:>4}  {_ms(r['step_s']):>10}  {_ms(r['compute_s']):>10}  {_ms(r['comm_s']):>10}  "
+                     f"{_ms(r['overlap_s']):>10}  {_ms(r['exposed_comm_s']):>10}  {_ms(r['idle_s']):>10}  "
+                     f"{_bytes(r['peak_bytes']):>10}  {_collectives(r['collectives'])}")
+    tput = f"{profile['samples_per_s']:.1f} samples/s" if profile.get("samples_per_s") else "-"
+    if profile.get("tokens_per_s"):
+        tput += f", {profile['tokens_per_s']:.0f} tokens/s"
+    lines.append(f"  slowest rank {profile['slowest_rank']} ({_ms(profile['step_s'])} a step; spread "
+                 f"{profile['spread']:.0%} of it); {tput}")
+    agree = "agree with" if profile["collectives_agree"] else "DISAGREE with"
+    lines.append(f"  collective counts and bytes from the profiler {agree} the harness's collective trace")
+    for r in profile["ranks"].values():
+        if r["collectives_disagree"]:
+            lines.append(f"    rank {r['rank']}: {r['collectives_disagree']}")
+    bubble = profile.get("bubble")
+    if bubble:
+        per = ", ".join(f"stage {k} {v['fraction']:.2f}" for k, v in bubble["measured"]["per_stage"].items())
+        imbalance = f"; stage imbalance {bubble['imbalance']:.2f}" if bubble["imbalance"] else ""
+        lines.append(f"  pipeline bubble: measured {bubble['measured']['mean']:.2f} ({per}) against (p-1)/(m+p-1) = "
+                     f"{bubble['theory']:.2f} for p={bubble['stages']}, m={bubble['micro_batches']}{imbalance}")
+    lines.append(f"  per-rank Chrome traces: {profile['trace_dir']}")
+    return "\n".join(lines)
+
+
+def _bar(r: dict[str, Any], scale: float) -> str:
+    """One rank's step as a bar: compute only, compute and communication at once, communication only, idle."""
+    parts = [(r["compute_s"] - r["overlap_s"], "#4a7", "compute"), (r["overlap_s"], "#8a4", "overlap"),
+             (r["exposed_comm_s"], "#c84", "communication (exposed)"), (r["idle_s"], "#ccc", "idle")]
+    x, out = 0.0, []
+    for length, colour, what in parts:
+        w = max(length, 0.0) * scale
+        out.append(f"<rect x='{x:.1f}' y='0' width='{w:.1f}' height='16' fill='{colour}'><title>{what}: {_ms(length)}</title></rect>")
+        x += w
+    return f"<svg width='{x + 2:.0f}' height='16'>{''.join(out)}</svg>"
+
+
+def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | None = None) -> str:
+    """The profile as one self-contained HTML page."""
+    e = html.escape
+    longest = max(r["step_s"] for r in profile["ranks"].values()) or 1.0
+    scale = 600 / longest
+    rows = "".join(
+        f"<tr><td>{r['rank']}</td><td>{_ms(r['step_s'])}</td><td>{_ms(r['compute_s'])}</td><td>{_ms(r['comm_s'])}</td>"
+        f"<td>{_ms(r['overlap_s'])}</td><td>{_ms(r['exposed_comm_s'])}</td><td>{_ms(r['idle_s'])}</td><td>{_bar(r, scale)}</td></tr>"
+        for r in profile["ranks"].values())
+    groups = "".join(
+        f"<tr><td>{r['rank']}</td><td>{e(g)}</td><td>{v['count']}</td><td>{_bytes(v['bytes'])}</td></tr>"
+        for r in profile["ranks"].values() for g, v in sorted(r["collectives_by_group"].items()))
+    memory = "".join(
+        f"<tr><td>{r['rank']}</td><td>{_bytes(r['state_bytes']['params'])}</td><td>{_bytes(r['state_bytes']['grads'])}</td>"
+        f"<td>{_bytes(r['state_bytes']['optimizer'])}</td><td>{_bytes(r['peak_bytes'])}</td><td>{e(r['peak_source'])}</td></tr>"
+        for r in profile["ranks"].values())
+    bubble = ""
+    if profile.get("bubble"):
+        b = profile["bubble"]
+        stages = "".join(f"<tr><td>{e(k)}</td><td>{v['rank']}</td><td>{_ms(v['busy_s'])}</td><td>{_ms(v['idle_s'])}</td>"
+                         f"<td>{v['fraction']:.2f}</td></tr>" for k, v in b["measured"]["per_stage"].items())
+        bubble = (f"<h2>Pipeline bubble</h2><p>measured mean {b['measured']['mean']:.2f} against (p-1)/(m+p-1) = "
+                  f"{b['theory']:.2f} (p={b['stages']}, m={b['micro_batches']})</p><table><tr><th>stage</th><th>rank</th>"
+                  f"<th>busy</th><th>idle</th><th>bubble fraction</th></tr>{stages}</table>")
+    verdict_line = f"<p>verdict: <b>{e(str((verdict or {}).get('verdict', '?')))}</b></p>" if verdict else ""
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>profile {e(profile['target'])}</title>"
+            "<style>body{font-family:sans-serif;margin:1em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:2px 6px;text-align:right}</style></head><body>"
+            f"<h1>Profile of {e(profile['target'])} ({e(profile['strategy'])}) on {profile['nproc']} ranks</h1>{verdict_line}"
+            f"<p>{profile['steps']} profiled steps after {profile['warmup']} warm-up. {e(profile['informational'])}.</p>"
+            "<h2>Per rank (mean per step)</h2><p>bar: compute, compute overlapped with communication, exposed "
+            "communication, idle</p><table><tr><th>rank</th><th>step</th><th>compute</th><th>comm</th><th>overlap</th>"
+            f"<th>exposed</th><th>idle</th><th>timeline</th></tr>{rows}</table>"
+            f"<p>slowest rank {profile['slowest_rank']}, spread {profile['spread']:.0%}</p>{bubble}"
+            "<h2>Collectives per group (profiled steps)</h2><table><tr><th>rank</th><th>group</th><th>count</th>"
+            f"<th>bytes</th></tr>{groups}</table><h2>Memory</h2><table><tr><th>rank</th><th>parameters</th>"
+            f"<th>gradients</th><th>optimizer</th><th>peak allocated</th><th>peak from</th></tr>{memory}</table>"
+            "</body></html>")

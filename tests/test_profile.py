@@ -1,0 +1,107 @@
+"""Step 5 of the method, the profile of a correct run (harness.analysis.profile, python -m
+harness profile): the figures from synthetic trace events, then real ranks. Never a wall-clock
+value: only the figures' presence and the identities between them (busy + idle = step,
+compute + communication - overlap = busy), the collective counts and bytes against the
+harness's own trace and against the arithmetic (DDP all-reduces every gradient once a step),
+and the bubble's theory."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from harness.analysis.profile import bubble_theory, op_key, summarize_rank
+from harness.pipeline import profile_target
+
+
+def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op", **args) -> dict:
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": cat, "args": args}
+
+
+def _events() -> list[dict]:
+    """One 10 ms step: compute 1-4 ms with an all-reduce issued and waited for at 3-4 ms inside
+    it, gloo moving 100 floats on a worker thread at 3-6 ms, compute again 7-8 ms."""
+    return [
+        _x("harness.step#1", 0, 10_000, cat="user_annotation"),
+        _x("aten::mm", 1_000, 3_000),
+        _x("c10d::allreduce_", 3_000, 1_000),
+        _x("gloo:all_reduce", 3_000, 3_000, tid=2, cat="user_annotation", **{"Input Dims": [[100]], "Input type": ["float"]}),
+        _x("aten::add", 7_000, 1_000),
+        {"ph": "i", "name": "[memory]", "ts": 2_000, "args": {"Total Allocated": 4096}},
+        {"ph": "i", "name": "[memory]", "ts": 20_000, "args": {"Total Allocated": 1 << 30}},  # after the step: not in it
+    ]
+
+
+def test_the_figures_of_one_step_add_up_and_a_collective_call_is_not_compute() -> None:
+    hooks = [{"op": "all_reduce", "group": "default_pg", "group_ranks": [0, 1], "shapes": [[100]], "dtypes": ["float32"]}]
+    r = summarize_rank(_events(), rank=0, hooks_saw=hooks)
+    assert math.isclose(r["step_s"], 0.010) and math.isclose(r["compute_s"], 0.003)  # 1-3 and 7-8 ms
+    assert math.isclose(r["comm_s"], 0.003) and math.isclose(r["overlap_s"], 0.0)
+    assert math.isclose(r["busy_s"], 0.006) and math.isclose(r["busy_s"] + r["idle_s"], r["step_s"])
+    assert r["collectives"] == {"allreduce": {"count": 1, "bytes": 400}} and r["collectives_agree"]
+    assert r["peak_bytes"] == 4096
+    # The hooks saw something else: reported, not hidden.
+    r = summarize_rank(_events(), rank=0, hooks_saw=hooks * 2)
+    assert not r["collectives_agree"] and r["collectives_disagree"]["allreduce"]["hooks"] == {"count": 2, "bytes": 800}
+
+
+def test_a_trace_without_profiled_steps_is_refused_and_names_are_one_key() -> None:
+    with pytest.raises(ValueError, match="no harness.step#"):
+        summarize_rank([_x("aten::mm", 0, 1)], rank=3, hooks_saw=[])
+    assert op_key("c10d::_allgather_base_") == op_key("gloo:all_gather") == op_key("all_gather") == "allgather"
+    assert op_key("c10d::_reduce_scatter_base_") == op_key("reduce_scatter_tensor") == "reducescatter"
+    assert bubble_theory(2, 4) == pytest.approx(0.2) and bubble_theory(4, 8) == pytest.approx(3 / 11)
+
+
+def _consistent(profile: dict) -> None:
+    assert {"ranks", "slowest_rank", "samples_per_s", "step_s", "spread", "collectives_agree"} <= set(profile)
+    assert profile["collectives_agree"], {r: p["collectives_disagree"] for r, p in profile["ranks"].items()}
+    for rank, r in profile["ranks"].items():
+        assert {"step_s", "compute_s", "comm_s", "overlap_s", "collectives", "peak_bytes"} <= set(r)
+        assert Path(r["trace"]).is_file()
+        for s in r["steps"]:
+            assert s["busy_s"] + s["idle_s"] == pytest.approx(s["step_s"])
+            assert s["compute_s"] + s["comm_s"] - s["overlap_s"] == pytest.approx(s["busy_s"])
+            assert 0 <= s["overlap_s"] <= min(s["compute_s"], s["comm_s"]) + 1e-12
+    assert profile["slowest_rank"] == max(profile["ranks"].values(), key=lambda r: r["step_s"])["rank"]
+    json.dumps(profile)
+
+
+def test_ddp_all_reduces_the_gradient_bytes_every_step(rank_runner, tmp_path) -> None:
+    profile = profile_target("ddp", steps=2, warmup=1, runner=rank_runner, trace_dir=tmp_path)
+    _consistent(profile)
+    grad_bytes = profile["ranks"][0]["state_bytes"]["params"]  # float32 parameters: as many bytes as their gradients
+    for r in profile["ranks"].values():
+        assert r["collectives"]["allreduce"]["bytes"] == 2 * grad_bytes, r["collectives"]
+    assert "bubble" not in profile
+
+
+def test_a_pipeline_reports_its_bubble_per_stage_against_the_formula(rank_runner, tmp_path) -> None:
+    profile = profile_target("gpipe", steps=2, warmup=1, runner=rank_runner, trace_dir=tmp_path)
+    _consistent(profile)
+    bubble = profile["bubble"]
+    assert (bubble["stages"], bubble["micro_batches"]) == (2, 4) and bubble["theory"] == pytest.approx(0.2)
+    assert set(bubble["measured"]["per_stage"]) == {"[0]", "[1]"}
+    for stage in bubble["measured"]["per_stage"].values():
+        rank = profile["ranks"][stage["rank"]]
+        assert stage["busy_s"] + stage["idle_s"] == pytest.approx(rank["step_s"]) and 0 <= stage["fraction"] <= 1
+    # p2p: every activation one stage sends, the other receives
+    assert profile["ranks"][0]["collectives"]["send"] == profile["ranks"][1]["collectives"]["recv"]
+
+
+def test_the_cli_profiles_after_the_verdict_and_refuses_a_custom_loop(tmp_path, capsys) -> None:
+    from harness import cli
+
+    assert cli.main(["profile", "custom-example", "-q"]) == cli.EXIT_USAGE
+    assert "cannot be profiled yet" in capsys.readouterr().err
+    out = tmp_path / "p.json"
+    html = tmp_path / "p.html"
+    assert cli.main(["profile", "tp", "-q", "--steps", "1", "--json", str(out), "--html", str(html), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("PASS") and "agree with the harness's collective trace" in printed
+    data = json.loads(out.read_text())
+    assert data["verdict"]["verdict"] == "pass" and data["profile"]["collectives_agree"]
+    assert {"0", "1"} == set(data["profile"]["ranks"]) and "timeline" in html.read_text()
