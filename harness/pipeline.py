@@ -661,12 +661,12 @@ def _diagnose_once(
 # -- step 5 of the method: the profile of a correct run ---------------------------------------
 def profile_on_rank(ctx: Any, target_spec: str, steps: int, warmup: int, trace_dir: str) -> dict[str, Any] | None:
     """Rank body of :func:`profile_target` (collective): this rank's profiled steps
-    (:func:`harness.record.profiling.profile_strategy`) read into figures on the rank that
+    (:func:`harness.tracing.profiler.profile_strategy`) read into figures on the rank that
     wrote the trace (:func:`harness.analysis.profile.rank_profile`); every rank's on rank 0."""
     import torch.distributed as dist
 
     from harness.analysis.profile import rank_profile
-    from harness.record.profiling import profile_strategy
+    from harness.tracing.profiler import profile_strategy
     from harness.targets.bundled import load_target
 
     target = load_target(target_spec)

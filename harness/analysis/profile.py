@@ -2,7 +2,7 @@
 plain trace events in, plain figures out).
 
 Per rank and per profiled step (the ``harness.step#k`` annotation of
-:mod:`harness.record.profiling`):
+:mod:`harness.tracing.profiler`):
 
 - compute: the union of the main thread's operator events (``cpu_op``; on CUDA, kernels that
   are not collectives), less the time inside collective calls and waits (``c10d::*``,
@@ -34,7 +34,7 @@ from typing import Any
 
 __all__ = ["ELEMENT_BYTES", "bubble_theory", "build_profile", "op_key", "rank_profile", "summarize_rank"]
 
-from harness.record.profiling import STEP_MARK
+from harness.tracing.profiler import STEP_MARK
 
 # The profiler's element type names (``Input type``) and torch dtype names, in bytes.
 ELEMENT_BYTES = {
@@ -181,7 +181,7 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
 
 
 def rank_profile(recorded: dict[str, Any]) -> dict[str, Any]:
-    """A rank's figures from what :func:`harness.record.profiling.profile_strategy` returned
+    """A rank's figures from what :func:`harness.tracing.profiler.profile_strategy` returned
     (its trace file read here, on the rank that wrote it)."""
     with open(recorded["trace"]) as fh:
         events = json.load(fh).get("traceEvents", [])
@@ -200,7 +200,7 @@ def bubble_theory(stages: int, micro_batches: int) -> float:
 
 def build_profile(result: dict[str, Any], *, steps: int, warmup: int) -> dict[str, Any]:
     """The run's profile from every rank's summary (``result`` as
-    :func:`harness.record.profiling.profile_on_rank` returns it)."""
+    :func:`harness.pipeline.profile_on_rank` returns it)."""
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     slowest = max(ranks, key=lambda r: r["step_s"])
     fastest = min(ranks, key=lambda r: r["step_s"])
