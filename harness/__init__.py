@@ -19,6 +19,7 @@ _EXPORTS = {
     # pytest and the one-line checks
     "assert_matches_reference": "harness.testing",
     "assert_resumes": "harness.testing",
+    "profile_run": "harness.testing",
     "assert_matches_reference_for_all": "harness.search",
     # what trains: a strategy, or your own loop recorded with CustomRun
     "Strategy": "harness.strategy",

@@ -659,23 +659,33 @@ def _diagnose_once(
 
 
 # -- step 5 of the method: the profile of a correct run ---------------------------------------
-def profile_on_rank(ctx: Any, target_spec: str, steps: int, warmup: int, trace_dir: str) -> dict[str, Any] | None:
-    """Rank body of :func:`profile_target` (collective): this rank's profiled steps
-    (:func:`harness.tracing.profiler.profile_strategy`) read into figures on the rank that
-    wrote the trace (:func:`harness.analysis.profile.rank_profile`); every rank's on rank 0."""
+def profile_on_ranks(case: Case, strategy: Any, ctx: DistContextLike, *, steps: int = 3, warmup: int = 1,
+                     trace_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Collective: ``steps`` profiled steps of ``strategy`` after ``warmup``
+    (:func:`harness.tracing.profiler.profile_strategy`), each rank's trace read into figures on
+    the rank that wrote it (:func:`harness.analysis.profile.rank_profile`); the run's profile
+    (:func:`harness.analysis.profile.build_profile`) on every rank."""
     import torch.distributed as dist
 
-    from harness.analysis.profile import rank_profile
+    from harness.analysis.profile import build_profile, rank_profile
     from harness.tracing.profiler import profile_strategy
+
+    mine = rank_profile(profile_strategy(case, strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir))
+    every: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    profile = build_profile({"ranks": every, "global_batch_size": case.global_batch_size, "micro_batches": case.micro_batches},
+                            steps=steps, warmup=warmup)
+    profile.update({"strategy": strategy.name, "case": case.name, "nproc": ctx.world_size, "trace_dir": str(trace_dir)})
+    return profile
+
+
+def profile_on_rank(ctx: Any, target_spec: str, steps: int, warmup: int, trace_dir: str) -> dict[str, Any] | None:
+    """Rank body of :func:`profile_target` (collective): the profile on rank 0, None elsewhere."""
     from harness.targets.bundled import load_target
 
     target = load_target(target_spec)
-    mine = rank_profile(profile_strategy(target.case, target.strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir))
-    every: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
-    dist.gather_object(mine, every, dst=0)
-    if every is None:
-        return None
-    return {"ranks": every, "global_batch_size": target.case.global_batch_size, "micro_batches": target.case.micro_batches}
+    profile = profile_on_ranks(target.case, target.strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)
+    return {**profile, "target": target.name} if ctx.rank == 0 else None
 
 
 def profile_target(
@@ -691,7 +701,6 @@ def profile_target(
     """The profile (:func:`harness.analysis.profile.build_profile`) of ``steps`` steps of
     ``target``'s strategy after ``warmup`` on ``nproc`` ranks (default: the target's NPROC,
     else 2); each rank's Chrome trace in ``trace_dir``."""
-    from harness.analysis.profile import build_profile
     from harness.targets.bundled import load_target
 
     resolved = load_target(target)
@@ -709,8 +718,4 @@ def profile_target(
     finally:
         if own:
             runner.close()
-    gathered = result.values[0]
-    profile = build_profile(gathered, steps=steps, warmup=warmup)
-    profile.update({"target": resolved.name, "strategy": resolved.strategy.name, "case": resolved.case.name, "nproc": world,
-                    "trace_dir": str(trace_dir)})
-    return profile
+    return result.values[0]

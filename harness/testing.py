@@ -32,7 +32,7 @@ from harness.run import RunResult
 from harness.strategy import DistContextLike
 from harness.targets.target import Target, is_train_fn
 
-__all__ = ["assert_matches_reference", "assert_resumes", "report_path_for"]
+__all__ = ["assert_matches_reference", "assert_resumes", "profile_run", "report_path_for"]
 
 
 def report_path_for(nodeid: str | None, name: str, report_dir: str = "") -> Path:
@@ -189,3 +189,30 @@ def assert_resumes(
                                 checkpoint=CheckpointPlan(checkpoint, at, resume=True, saved_record=run.result.record_path))
     _fail_if_reported(resumed, f"{_trains_name(into)}-{case.name}-resumed", dst)
     return broadcast_object(resumed.resume, dst)
+
+
+def profile_run(
+    case: Case,
+    strategy: Any,
+    ctx: DistContextLike,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    trace_dir: str | os.PathLike[str] | None = None,
+    dst: int = 0,
+) -> dict[str, Any]:
+    """Collective: the profile of ``steps`` steps of ``strategy`` after ``warmup``, as
+    ``python -m harness profile`` reports it (:func:`harness.pipeline.profile_on_ranks`), on
+    every rank. Each rank's Chrome trace goes to ``trace_dir`` (default: the test's run folder,
+    else a new temporary one). Check the run with :func:`assert_matches_reference` first; the
+    figures are timings, so assert on counts, bytes and identities, not on seconds."""
+    import tempfile
+
+    from harness.pipeline import profile_on_ranks
+
+    if trace_dir is None:
+        current = _current()
+        chosen = (str(Path(current.run_dir) / "profile") if current is not None and current.run_dir
+                  else tempfile.mkdtemp(prefix="harness-profile-")) if ctx.rank == dst else None
+        trace_dir = broadcast_object(chosen, dst)
+    return profile_on_ranks(case, strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)

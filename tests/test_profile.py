@@ -105,3 +105,15 @@ def test_the_cli_profiles_after_the_verdict_and_refuses_a_custom_loop(tmp_path, 
     data = json.loads(out.read_text())
     assert data["verdict"]["verdict"] == "pass" and data["profile"]["collectives_agree"]
     assert {"0", "1"} == set(data["profile"]["ranks"]) and "timeline" in html.read_text()
+
+
+@pytest.mark.distributed(nproc=2)
+def test_profile_run_in_a_distributed_test_gives_every_rank_the_profile(dist_ctx, tmp_path) -> None:
+    from cases.catalog import mlp_case
+    from cases.strategies.ddp import DDPStrategy
+    from harness import profile_run
+
+    profile = profile_run(mlp_case(), DDPStrategy(), dist_ctx, steps=2, trace_dir=tmp_path / "traces")
+    _consistent(profile)
+    assert profile["nproc"] == 2 and set(profile["ranks"]) == {0, 1}
+    assert Path(profile["ranks"][dist_ctx.rank]["trace"]).parent == tmp_path / "traces"
