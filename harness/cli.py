@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list bundled targets")
     prof = sub.add_parser("profile", help="step 5 of the method: diagnose TARGET, then profile K steps on every rank "
                                           "(compute, communication, overlap, collectives, memory, pipeline bubble)")
-    prof.add_argument("target", help="bundled name, path/to/file.py or path/to/file.py:NAME (a strategy target)")
+    prof.add_argument("target", help="bundled name, path/to/file.py or path/to/file.py:NAME (a strategy or a train(ctx, run) loop)")
     prof.add_argument("--nproc", type=int, default=None, help="ranks to run (default: the target's NPROC, else 2)")
     prof.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     prof.add_argument("--warmup", type=int, default=1, help="unprofiled steps before them (default 1)")
@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--html", metavar="PATH", help="write the profile as a self-contained HTML page here")
     prof.add_argument("--out", metavar="DIR", default="harness-reports",
                       help="each rank's Chrome trace goes to DIR/profile-TARGET/rank<r>.json (default harness-reports)")
+    prof.add_argument("--max-exposed-comm", type=float, default=None, metavar="FRACTION",
+                      help="opt-in, for GPU runners: fail (exit 1) when a rank's exposed communication exceeds this "
+                           "fraction of its step (CPU timings are informational: no limit by default)")
+    prof.add_argument("--max-bubble-over", type=float, default=None, metavar="X",
+                      help="opt-in, for GPU runners: fail (exit 1) when the mean pipeline bubble exceeds (p-1)/(m+p-1) by more than X")
     prof.add_argument("--timeout", type=float, default=None, help=f"seconds before a run counts as hung (default {settings.RUN_TIMEOUT_S:g})")
     prof.add_argument("--cache", metavar="DIR", default=None, help="reference cache (default $HARNESS_CACHE_DIR or ./.harness_cache)")
     prof.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -104,6 +109,7 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from harness.launch.remote import RankRunner
     from harness.pipeline import diagnose_target, profile_target
     from harness.report import format_terminal
+    from harness.analysis.profile import check_thresholds
     from harness.report.profile import format_profile, render_profile_html
     from reference.files import write_atomic
     from harness.targets.bundled import load_target
@@ -117,9 +123,9 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         target = load_target(args.target)
     except TargetError as exc:
         return _usage(parser, str(exc))
-    if target.strategy is None:
-        return _usage(parser, f"{target.name}: profile runs a strategy target's steps; a custom loop (train(ctx, run)) "
-                              "or a layout plan cannot be profiled yet")
+    if target.layout is not None or (target.strategy is None and target.train is None):
+        return _usage(parser, f"{target.name}: profile runs a strategy's or a train(ctx, run) loop's steps; a layout "
+                              "plan trains nothing")
     runner = RankRunner()
     try:
         report = diagnose_target(args.target, nproc=args.nproc, runner=runner, timeout=args.timeout, cache=args.cache,
@@ -131,13 +137,17 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     finally:
         runner.close()
     print(format_profile(profile))
+    exceeded = check_thresholds(profile, max_exposed_comm=args.max_exposed_comm, max_bubble_over=args.max_bubble_over)
+    profile["thresholds_exceeded"] = exceeded
+    for line in exceeded:
+        print(f"  LIMIT  {line}")
     if args.json:
         write_atomic(args.json, json.dumps({"verdict": report.verdict.to_dict(), "profile": profile}, indent=2, default=str))
         print(f"  wrote {args.json}")
     if args.html:
         write_atomic(args.html, render_profile_html(profile, verdict=report.verdict.to_dict()))
         print(f"  wrote {args.html}")
-    return report.exit_code
+    return report.exit_code if report.exit_code or not exceeded else EXIT_DIAGNOSIS
 
 
 def _interrupted(exc: KeyboardInterrupt) -> int:

@@ -668,14 +668,20 @@ def profile_on_ranks(case: Case, strategy: Any, ctx: DistContextLike, *, steps: 
     import torch.distributed as dist
 
     from harness.analysis.profile import build_profile, rank_profile
-    from harness.tracing.profiler import profile_strategy
+    from harness.targets.target import is_train_fn
+    from harness.tracing.profiler import profile_loop, profile_strategy
 
-    mine = rank_profile(profile_strategy(case, strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir))
+    if is_train_fn(strategy):  # a train(ctx, run) loop
+        recorded = profile_loop(case, strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)
+    else:
+        recorded = profile_strategy(case, strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)
+    mine = rank_profile(recorded)
     every: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     profile = build_profile({"ranks": every, "global_batch_size": case.global_batch_size, "micro_batches": case.micro_batches},
                             steps=steps, warmup=warmup)
-    profile.update({"strategy": strategy.name, "case": case.name, "nproc": ctx.world_size, "trace_dir": str(trace_dir)})
+    profile.update({"strategy": "custom" if is_train_fn(strategy) else strategy.name, "case": case.name, "nproc": ctx.world_size,
+                    "trace_dir": str(trace_dir)})
     return profile
 
 
@@ -684,7 +690,7 @@ def profile_on_rank(ctx: Any, target_spec: str, steps: int, warmup: int, trace_d
     from harness.targets.bundled import load_target
 
     target = load_target(target_spec)
-    profile = profile_on_ranks(target.case, target.strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)
+    profile = profile_on_ranks(target.case, target.strategy or target.train, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)
     return {**profile, "target": target.name} if ctx.rank == 0 else None
 
 
@@ -704,9 +710,9 @@ def profile_target(
     from harness.targets.bundled import load_target
 
     resolved = load_target(target)
-    if resolved.strategy is None:
-        raise TargetError(f"{resolved.name}: profile runs a strategy's steps; a custom loop (train(ctx, run)) or a "
-                          "layout plan has no steps the harness drives, so it cannot be profiled yet")
+    if resolved.layout is not None or (resolved.strategy is None and resolved.train is None):
+        raise TargetError(f"{resolved.name}: profile runs a strategy's or a train(ctx, run) loop's steps; a layout plan "
+                          "trains nothing")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 0:
         raise TargetError(f"profile needs steps >= 1 and warmup >= 0, got steps={steps!r}, warmup={warmup!r}")
     world = nproc or resolved.nproc or 2

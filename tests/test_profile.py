@@ -22,12 +22,15 @@ def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op", **ar
 
 
 def _events() -> list[dict]:
-    """One 10 ms step: compute 1-4 ms with an all-reduce issued and waited for at 3-4 ms inside
-    it, gloo moving 100 floats on a worker thread at 3-6 ms, compute again 7-8 ms."""
+    """One 10 ms step: an autograd node at 1-4.5 ms whose matmul computes at 1-3 ms and which then
+    issues an all-reduce and waits for it, gloo moving 100 floats on a worker thread at 3-6 ms,
+    compute again at 7-8 ms."""
     return [
         _x("harness.step#1", 0, 10_000, cat="user_annotation"),
-        _x("aten::mm", 1_000, 3_000),
-        _x("c10d::allreduce_", 3_000, 1_000),
+        # an autograd node whose own time from 3 ms on is the wait for the all-reduce it issued
+        _x("autograd::engine::evaluate_function: MyFunction", 1_000, 3_500),
+        _x("aten::mm", 1_000, 2_000),
+        _x("c10d::allreduce_", 3_000, 200),
         _x("gloo:all_reduce", 3_000, 3_000, tid=2, cat="user_annotation", **{"Input Dims": [[100]], "Input type": ["float"]}),
         _x("aten::add", 7_000, 1_000),
         {"ph": "i", "name": "[memory]", "ts": 2_000, "args": {"Total Allocated": 4096}},
@@ -46,6 +49,17 @@ def test_the_figures_of_one_step_add_up_and_a_collective_call_is_not_compute() -
     # The hooks saw something else: reported, not hidden.
     r = summarize_rank(_events(), rank=0, hooks_saw=hooks * 2)
     assert not r["collectives_agree"] and r["collectives_disagree"]["allreduce"]["hooks"] == {"count": 2, "bytes": 800}
+
+
+def test_opt_in_limits_name_what_exceeds_them_and_nothing_without_them() -> None:
+    from harness.analysis.profile import check_thresholds
+
+    r = summarize_rank(_events(), rank=0, hooks_saw=[])  # exposed communication 3 of 10 ms
+    profile = {"ranks": {0: r}, "bubble": {"measured": {"mean": 0.5}, "theory": 0.2}}
+    assert check_thresholds(profile) == []
+    assert check_thresholds(profile, max_exposed_comm=0.5, max_bubble_over=0.4) == []
+    exceeded = check_thresholds(profile, max_exposed_comm=0.25, max_bubble_over=0.1)
+    assert len(exceeded) == 2 and "30%" in exceeded[0] and "0.30 above" in exceeded[1]
 
 
 def test_a_trace_without_profiled_steps_is_refused_and_names_are_one_key() -> None:
@@ -92,11 +106,21 @@ def test_a_pipeline_reports_its_bubble_per_stage_against_the_formula(rank_runner
     assert profile["ranks"][0]["collectives"]["send"] == profile["ranks"][1]["collectives"]["recv"]
 
 
-def test_the_cli_profiles_after_the_verdict_and_refuses_a_custom_loop(tmp_path, capsys) -> None:
+def test_a_custom_loop_is_profiled_without_the_harness_recording(rank_runner, tmp_path) -> None:
+    profile = profile_target("custom-example", steps=2, warmup=1, runner=rank_runner, trace_dir=tmp_path)
+    _consistent(profile)
+    assert profile["strategy"] == "custom"
+    for r in profile["ranks"].values():
+        # the loop's own all-reduce of each gradient, not the harness's gathers of the record
+        assert r["collectives"]["allreduce"]["bytes"] == 2 * r["state_bytes"]["params"], r["collectives"]
+        assert all(s["recording_s"] > 0 for s in r["steps"])
+
+
+def test_the_cli_profiles_after_the_verdict_and_refuses_a_layout_plan(tmp_path, capsys) -> None:
     from harness import cli
 
-    assert cli.main(["profile", "custom-example", "-q"]) == cli.EXIT_USAGE
-    assert "cannot be profiled yet" in capsys.readouterr().err
+    assert cli.main(["profile", "seed-8gpu", "-q"]) == cli.EXIT_USAGE
+    assert "layout plan trains nothing" in capsys.readouterr().err
     out = tmp_path / "p.json"
     html = tmp_path / "p.html"
     assert cli.main(["profile", "tp", "-q", "--steps", "1", "--json", str(out), "--html", str(html), "--out", str(tmp_path)]) == 0

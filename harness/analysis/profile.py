@@ -4,9 +4,10 @@ plain trace events in, plain figures out).
 Per rank and per profiled step (the ``harness.step#k`` annotation of
 :mod:`harness.tracing.profiler`):
 
-- compute: the union of the main thread's operator events (``cpu_op``; on CUDA, kernels that
-  are not collectives), less the time inside collective calls and waits (``c10d::*``,
-  ``_c10d_functional::*`` with its ``wait_tensor``), whatever op encloses them;
+- compute: the union of the main thread's innermost operator events (``cpu_op`` events that
+  contain no other: an enclosing autograd node or user Function may spend its own time waiting
+  for a collective; on CUDA, kernels that are not collectives), less collective calls and waits
+  (``c10d::*``, ``_c10d_functional::*`` with its ``wait_tensor``);
 - communication: the union of the backend's collective events - gloo runs each on a worker
   thread (``gloo:*``), NCCL as kernels (``nccl*``) - so a collective's time includes its wait for
   the peers: what a GPU utilisation figure misreads as work;
@@ -32,8 +33,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ELEMENT_BYTES", "bubble_theory", "build_profile", "op_key", "rank_profile", "summarize_rank"]
+__all__ = ["ELEMENT_BYTES", "bubble_theory", "build_profile", "check_thresholds", "op_key", "rank_profile", "summarize_rank"]
 
+from harness.record.custom import RECORDING_MARK
 from harness.tracing.profiler import STEP_MARK
 
 # The profiler's element type names (``Input type``) and torch dtype names, in bytes.
@@ -112,6 +114,22 @@ def _numel(dims: Any) -> int:
 _COLLECTIVE_CALLS = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "c10d_functional::", "record_param_comms")
 
 
+def _innermost(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events that contain no other: the operators that do the work. An enclosing event
+    (an autograd node, a tensor subclass's dispatch, a user's autograd Function) may spend its
+    own time waiting for a collective it issued; its children's time is the work."""
+    ordered = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
+    has_child: set[int] = set()
+    stack: list[dict[str, Any]] = []
+    for e in ordered:
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+            stack.pop()
+        if stack:
+            has_child.add(id(stack[-1]))
+        stack.append(e)
+    return [e for e in ordered if id(e) not in has_child]
+
+
 def _is_comm(event: dict[str, Any]) -> bool:
     name = event.get("name", "")
     return name.startswith("gloo:") or (event.get("cat") == "kernel" and "nccl" in name.lower())
@@ -126,21 +144,27 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
     main = steps[0].get("tid")
     calls = _union((e["ts"], e["ts"] + e["dur"]) for e in spans
                    if e.get("tid") == main and str(e.get("name", "")).startswith(_COLLECTIVE_CALLS))
-    compute_events = [e for e in spans if (e.get("cat") == "cpu_op" and e.get("tid") == main
-                                           and not str(e.get("name", "")).startswith(_COLLECTIVE_CALLS))
-                      or (e.get("cat") == "kernel" and not _is_comm(e))]
+    main_ops = [e for e in spans if e.get("cat") == "cpu_op" and e.get("tid") == main]
+    compute_events = [e for e in _innermost(main_ops) if not str(e.get("name", "")).startswith(_COLLECTIVE_CALLS)]
+    compute_events += [e for e in spans if e.get("cat") == "kernel" and not _is_comm(e)]
     comm_events = [e for e in spans if _is_comm(e)]
-    compute_all = _minus(_union((e["ts"], e["ts"] + e["dur"]) for e in compute_events), calls)
-    comm_all = _union((e["ts"], e["ts"] + e["dur"]) for e in comm_events)
+    # A profiled loop's own recording by the harness (a custom loop's run.before_step /
+    # after_step): not the loop's time, left out of every figure and of the step itself.
+    recording = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name") == RECORDING_MARK)
+    compute_all = _minus(_minus(_union((e["ts"], e["ts"] + e["dur"]) for e in compute_events), calls), recording)
+    comm_events = [e for e in comm_events if not any(a <= e["ts"] < b for a, b in recording)]
+    comm_all = _minus(_union((e["ts"], e["ts"] + e["dur"]) for e in comm_events), recording)
     per_step = []
     for s in steps:
         lo, hi = s["ts"], s["ts"] + s["dur"]
         compute, comm = _clip(compute_all, lo, hi), _clip(comm_all, lo, hi)
         overlap = _length(_intersect(compute, comm))
         busy = _length(_union(compute + comm))
-        per_step.append({"step": int(str(s["name"])[len(STEP_MARK):]), "step_s": s["dur"] / 1e6,
+        length = s["dur"] - _length(_clip(recording, lo, hi))
+        per_step.append({"step": int(str(s["name"])[len(STEP_MARK):]), "step_s": length / 1e6,
                          "compute_s": _length(compute) / 1e6, "comm_s": _length(comm) / 1e6, "overlap_s": overlap / 1e6,
-                         "busy_s": busy / 1e6, "idle_s": (s["dur"] - busy) / 1e6})
+                         "busy_s": busy / 1e6, "idle_s": (length - busy) / 1e6,
+                         "recording_s": (s["dur"] - length) / 1e6})
     n = len(per_step)
     mean = {k: sum(p[k] for p in per_step) / n for k in ("step_s", "compute_s", "comm_s", "overlap_s", "busy_s", "idle_s")}
     lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
@@ -231,4 +255,26 @@ def build_profile(result: dict[str, Any], *, steps: int, warmup: int) -> dict[st
         out["bubble"] = {"stages": p, "micro_batches": m, "theory": bubble_theory(p, m),
                          "measured": {"per_stage": per_stage, "mean": sum(fractions) / len(fractions)},
                          "imbalance": max(busy) / min(busy) if min(busy) > 0 else None}
+    return out
+
+
+def check_thresholds(profile: dict[str, Any], *, max_exposed_comm: float | None = None,
+                     max_bubble_over: float | None = None) -> list[str]:
+    """Opt-in limits, for runners whose timings mean something (GPUs, not a shared CPU):
+    ``max_exposed_comm``, the largest fraction of a rank's step spent in communication that no
+    compute overlaps; ``max_bubble_over``, how far the mean pipeline bubble may sit above
+    (p-1)/(m+p-1). Returns one sentence per limit exceeded (none: within)."""
+    out = []
+    if max_exposed_comm is not None:
+        for r in profile["ranks"].values():
+            share = r["exposed_comm_s"] / r["step_s"] if r["step_s"] else 0.0
+            if share > max_exposed_comm:
+                out.append(f"rank {r['rank']}: exposed communication is {share:.0%} of its step, above the "
+                           f"--max-exposed-comm {max_exposed_comm:.0%}")
+    bubble = profile.get("bubble")
+    if max_bubble_over is not None and bubble is not None:
+        over = bubble["measured"]["mean"] - bubble["theory"]
+        if over > max_bubble_over:
+            out.append(f"the pipeline bubble {bubble['measured']['mean']:.2f} is {over:.2f} above (p-1)/(m+p-1) = "
+                       f"{bubble['theory']:.2f}, more than --max-bubble-over {max_bubble_over:.2f}")
     return out

@@ -45,6 +45,8 @@ from reference.case import Batch, Case, collate, map_tensors
 from reference.schedule import batch_weight, replica_micro_batch_indices
 
 from harness.record.gather import annotate_shard, rename_parameters, set_layout_group
+
+RECORDING_MARK = "harness.recording"  # the profiler annotation of the harness's own recording in a profiled loop
 from harness.parallel_dims import RankLayout
 from harness.record.recorder import RankRecorder, RecorderError
 
@@ -84,6 +86,10 @@ class CustomRun:
         self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
         self._hook_step = False
         self.steps_done = 0  # steps recorded to the end (after_step calls)
+        # Set by a profiled run (harness.pipeline.profile_custom_on_ranks): called at the end of
+        # each after_step, where one step ends and the next begins; the harness's own recording
+        # is then annotated "harness.recording", so the profile leaves it out.
+        self.on_step_end: Callable[[int], None] | None = None
 
     @property
     def steps(self) -> int:
@@ -248,7 +254,15 @@ class CustomRun:
     def _harness_phase(self) -> Any:
         import contextlib
 
-        return self.tracer.phase("harness") if self.tracer is not None else contextlib.nullcontext()
+        phase = self.tracer.phase("harness") if self.tracer is not None else contextlib.nullcontext()
+        if self.on_step_end is None:
+            return phase
+        from torch.profiler import record_function
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(phase)
+        stack.enter_context(record_function(RECORDING_MARK))
+        return stack
 
     def _step(self, step: int) -> None:
         if self.tracer is not None and self._traced_step != step:
@@ -355,6 +369,8 @@ class CustomRun:
         rec.start_draws()  # the next step's
         if self.tracer is not None:
             self.tracer.set_phase("train")
+        if self.on_step_end is not None:
+            self.on_step_end(step)
 
     def check_ran_every_step(self, train: Any) -> None:
         """Local, after the loop returned: it recorded every step of the case on this rank.

@@ -22,7 +22,7 @@ from reference.case import Case, tensors_in
 
 from harness.strategy import DistContextLike
 
-__all__ = ["STEP_MARK", "profile_strategy"]
+__all__ = ["STEP_MARK", "profile_loop", "profile_strategy"]
 
 STEP_MARK = "harness.step#"  # the annotation of each profiled step: harness.step#<step>
 
@@ -47,7 +47,6 @@ def profile_strategy(case: Case, strategy: Any, ctx: DistContextLike, *, steps: 
     not hold: its path, the hooks' collectives of those steps, the tokens read, the state's bytes."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from harness.record.memory import state_bytes
     from harness.tracing.tracer import Tracer
 
     case = case.with_steps(warmup + steps)
@@ -71,6 +70,16 @@ def profile_strategy(case: Case, strategy: Any, ctx: DistContextLike, *, steps: 
                 with record_function(f"{STEP_MARK}{step}"):
                     tokens += _train_step(case, strategy, setup, step, tracer)
         tracer.set_phase("harness")
+    return _recorded(prof, tracer, ctx, setup.layout, [setup.model] if isinstance(setup.model, torch.nn.Module) else list(setup.model),
+                     setup.optimizer, warmup=warmup, tokens=tokens, trace_dir=trace_dir)
+
+
+def _recorded(prof: Any, tracer: Any, ctx: DistContextLike, layout: Any, models: list[Any], optimizer: Any, *, warmup: int,
+              tokens: int, trace_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Export this rank's trace; what it does not hold (the hooks' collectives of the profiled
+    steps, tokens, state bytes, the layout) beside its path."""
+    from harness.record.memory import state_bytes
+
     path = Path(trace_dir) / f"rank{ctx.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
@@ -80,14 +89,76 @@ def profile_strategy(case: Case, strategy: Any, ctx: DistContextLike, *, steps: 
          "is_p2p": c.is_p2p}
         for c in rank_trace.collectives if c.step is not None and c.step >= warmup and c.phase != "harness"
     ]
-    models = [setup.model] if isinstance(setup.model, torch.nn.Module) else list(setup.model)
-    param_b, grad_b, optim_b = state_bytes(models, setup.optimizer)
+    param_b, grad_b, optim_b = state_bytes(models, optimizer)
     summary: dict[str, Any] = {
         "rank": ctx.rank, "trace": str(path), "hooks_saw": hooks_saw, "tokens": tokens,
         "state_bytes": {"params": param_b, "grads": grad_b, "optimizer": optim_b},
-        "stages": list(setup.layout.stages) if setup.layout is not None and setup.layout.stages is not None else None,
-        "mesh": dict(setup.layout.mesh) if setup.layout is not None else {},
+        "stages": list(layout.stages) if layout is not None and layout.stages is not None else None,
+        "mesh": dict(layout.mesh) if layout is not None else {},
     }
     if ctx.device.type == "cuda":
         summary["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(ctx.device))
     return summary
+
+
+def profile_loop(case: Case, train: Any, ctx: DistContextLike, *, steps: int, warmup: int,
+                 trace_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Collective: :func:`profile_strategy` for a ``train(ctx, run)`` loop. The loop runs
+    ``warmup + steps`` steps recorded by a :class:`~harness.record.custom.CustomRun` (it needs
+    one to run at all); a step ends where its ``run.after_step`` does, so step ``k``'s
+    annotation spans from the end of ``after_step(k - 1)`` to the end of ``after_step(k)``, and
+    the harness's own recording inside it is annotated ``harness.recording`` and left out of
+    the figures (:func:`harness.analysis.profile.summarize_rank`)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from harness.record.custom import CustomRun
+    from harness.tracing.tracer import Tracer
+
+    case = case.with_steps(warmup + steps)
+    tracer = Tracer(name=f"profile-custom-{case.name}")
+    record_dir = Path(tempfile.mkdtemp(prefix="harness-profile-loop-")) / "record" if ctx.rank == 0 else None
+    run = CustomRun(case, ctx, record_dir, dst=0, tracer=tracer)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+    state: dict[str, Any] = {"span": None, "running": False}
+
+    def begin(step: int) -> None:
+        if warmup <= step < warmup + steps:
+            state["span"] = record_function(f"{STEP_MARK}{step}")
+            state["span"].__enter__()
+
+    def on_step_end(step: int) -> None:
+        if state["span"] is not None:
+            state["span"].__exit__(None, None, None)
+            state["span"] = None
+        following = step + 1
+        tracer.begin_step(following)  # what the loop issues from here on is the next step's
+        run._traced_step = following
+        if following == warmup + steps and state["running"]:
+            prof.stop()
+            state["running"] = False
+            return
+        if following == warmup and not state["running"]:
+            prof.start()
+            state["running"] = True
+        begin(following)
+
+    run.on_step_end = on_step_end
+    case.seed_training()
+    if warmup == 0:
+        prof.start()
+        state["running"] = True
+        begin(0)
+    with tracer:
+        try:
+            train(ctx, run)
+            run.check_ran_every_step(train)
+        finally:
+            run.stop_draws()
+            if state["running"]:
+                prof.stop()
+    run.finish()
+    return _recorded(prof, tracer, ctx, run.layout, [run.model] if isinstance(run.model, torch.nn.Module) else list(run.model),
+                     run.optimizer, warmup=warmup, tokens=0, trace_dir=trace_dir)
