@@ -28,7 +28,7 @@ def _events() -> list[dict]:
     return [
         _x("harness.step#1", 0, 10_000, cat="user_annotation"),
         # an autograd node whose own time from 3 ms on is the wait for the all-reduce it issued
-        _x("autograd::engine::evaluate_function: MyFunction", 1_000, 3_500),
+        _x("autograd::engine::evaluate_function: MyFunctionBackward", 1_000, 3_500),
         _x("aten::mm", 1_000, 2_000),
         _x("c10d::allreduce_", 3_000, 200),
         _x("gloo:all_reduce", 3_000, 3_000, tid=2, cat="user_annotation", **{"Input Dims": [[100]], "Input type": ["float"]}),

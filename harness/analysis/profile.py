@@ -4,10 +4,11 @@ plain trace events in, plain figures out).
 Per rank and per profiled step (the ``harness.step#k`` annotation of
 :mod:`harness.tracing.profiler`):
 
-- compute: the union of the main thread's innermost operator events (``cpu_op`` events that
-  contain no other: an enclosing autograd node or user Function may spend its own time waiting
-  for a collective; on CUDA, kernels that are not collectives), less collective calls and waits
-  (``c10d::*``, ``_c10d_functional::*`` with its ``wait_tensor``);
+- compute: the union of the main thread's ATen operator events (``aten::*``; on CUDA, kernels
+  that are not collectives), less collective calls and waits (``c10d::*``,
+  ``_c10d_functional::*`` with its ``wait_tensor``): an enclosing event that is not an operator
+  (an autograd node, a tensor subclass's dispatch, a user's autograd Function) may spend its
+  own time waiting for a collective it issued, so only the operators inside it count;
 - communication: the union of the backend's collective events - gloo runs each on a worker
   thread (``gloo:*``), NCCL as kernels (``nccl*``) - so a collective's time includes its wait for
   the peers: what a GPU utilisation figure misreads as work;
@@ -114,22 +115,6 @@ def _numel(dims: Any) -> int:
 _COLLECTIVE_CALLS = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "c10d_functional::", "record_param_comms")
 
 
-def _innermost(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events that contain no other: the operators that do the work. An enclosing event
-    (an autograd node, a tensor subclass's dispatch, a user's autograd Function) may spend its
-    own time waiting for a collective it issued; its children's time is the work."""
-    ordered = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
-    has_child: set[int] = set()
-    stack: list[dict[str, Any]] = []
-    for e in ordered:
-        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-            stack.pop()
-        if stack:
-            has_child.add(id(stack[-1]))
-        stack.append(e)
-    return [e for e in ordered if id(e) not in has_child]
-
-
 def _is_comm(event: dict[str, Any]) -> bool:
     name = event.get("name", "")
     return name.startswith("gloo:") or (event.get("cat") == "kernel" and "nccl" in name.lower())
@@ -144,9 +129,9 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
     main = steps[0].get("tid")
     calls = _union((e["ts"], e["ts"] + e["dur"]) for e in spans
                    if e.get("tid") == main and str(e.get("name", "")).startswith(_COLLECTIVE_CALLS))
-    main_ops = [e for e in spans if e.get("cat") == "cpu_op" and e.get("tid") == main]
-    compute_events = [e for e in _innermost(main_ops) if not str(e.get("name", "")).startswith(_COLLECTIVE_CALLS)]
-    compute_events += [e for e in spans if e.get("cat") == "kernel" and not _is_comm(e)]
+    compute_events = [e for e in spans if (e.get("cat") == "cpu_op" and e.get("tid") == main
+                                           and str(e.get("name", "")).startswith("aten::"))
+                      or (e.get("cat") == "kernel" and not _is_comm(e))]
     comm_events = [e for e in spans if _is_comm(e)]
     # A profiled loop's own recording by the harness (a custom loop's run.before_step /
     # after_step): not the loop's time, left out of every figure and of the step itself.
