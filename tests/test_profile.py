@@ -88,6 +88,7 @@ def test_ddp_all_reduces_the_gradient_bytes_every_step(rank_runner, tmp_path) ->
     profile = profile_target("ddp", steps=2, warmup=1, runner=rank_runner, trace_dir=tmp_path)
     _consistent(profile)
     grad_bytes = profile["ranks"][0]["state_bytes"]["params"]  # float32 parameters: as many bytes as their gradients
+    assert profile["ranks"][0]["state_arithmetic"]["grads"] == grad_bytes  # DDP: every rank holds the whole model
     for r in profile["ranks"].values():
         assert r["collectives"]["allreduce"]["bytes"] == 2 * grad_bytes, r["collectives"]
     assert "bubble" not in profile
@@ -99,6 +100,8 @@ def test_a_pipeline_reports_its_bubble_per_stage_against_the_formula(rank_runner
     bubble = profile["bubble"]
     assert (bubble["stages"], bubble["micro_batches"]) == (2, 4) and bubble["theory"] == pytest.approx(0.2)
     assert set(bubble["measured"]["per_stage"]) == {"[0]", "[1]"}
+    # the harness annotates each stage's forward and backward chunks: busy is read from them
+    assert {s["busy_from"] for s in bubble["measured"]["per_stage"].values()} == {"stage forward/backward chunks"}
     for stage in bubble["measured"]["per_stage"].values():
         rank = profile["ranks"][stage["rank"]]
         assert stage["busy_s"] + stage["idle_s"] == pytest.approx(rank["step_s"]) and 0 <= stage["fraction"] <= 1

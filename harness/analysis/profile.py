@@ -22,8 +22,9 @@ reported, never hidden. Peak memory: the largest ``Total Allocated`` of the prof
 ``[memory]`` events in the window (what the profiled steps allocated above what was held
 before; CUDA ranks use ``torch.cuda.max_memory_allocated`` instead).
 
-Pipelines: each stage's busy time is its compute; the rest of the step is its bubble,
-measured against GPipe's and 1F1B's ``(p - 1) / (m + p - 1)``. Timings on CPU are informational:
+Pipelines: each stage's busy time is the union of its forward and backward chunks as the
+schedule ran them (``harness.stage#<i>.forward`` / ``.backward``, annotated by the harness: the
+schedules do not), else its compute; the rest of the step is its bubble, measured against GPipe's and 1F1B's ``(p - 1) / (m + p - 1)``. Timings on CPU are informational:
 they move with the machine's load; the counts, bytes and the identities between figures do not.
 """
 
@@ -37,7 +38,7 @@ from typing import Any
 __all__ = ["ELEMENT_BYTES", "bubble_theory", "build_profile", "check_thresholds", "op_key", "rank_profile", "summarize_rank"]
 
 from harness.record.custom import RECORDING_MARK
-from harness.tracing.profiler import STEP_MARK
+from harness.tracing.profiler import STAGE_MARK, STEP_MARK
 
 # The profiler's element type names (``Input type``) and torch dtype names, in bytes.
 ELEMENT_BYTES = {
@@ -139,6 +140,8 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
     compute_all = _minus(_minus(_union((e["ts"], e["ts"] + e["dur"]) for e in compute_events), calls), recording)
     comm_events = [e for e in comm_events if not any(a <= e["ts"] < b for a, b in recording)]
     comm_all = _minus(_union((e["ts"], e["ts"] + e["dur"]) for e in comm_events), recording)
+    # A pipeline stage's forward and backward chunks as the schedule ran them (harness.tracing.profiler annotates them).
+    stage_all = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if str(e.get("name", "")).startswith(STAGE_MARK))
     per_step = []
     for s in steps:
         lo, hi = s["ts"], s["ts"] + s["dur"]
@@ -146,12 +149,14 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
         overlap = _length(_intersect(compute, comm))
         busy = _length(_union(compute + comm))
         length = s["dur"] - _length(_clip(recording, lo, hi))
+        stage_work = _length(_clip(stage_all, lo, hi))
         per_step.append({"step": int(str(s["name"])[len(STEP_MARK):]), "step_s": length / 1e6,
                          "compute_s": _length(compute) / 1e6, "comm_s": _length(comm) / 1e6, "overlap_s": overlap / 1e6,
                          "busy_s": busy / 1e6, "idle_s": (length - busy) / 1e6,
-                         "recording_s": (s["dur"] - length) / 1e6})
+                         "recording_s": (s["dur"] - length) / 1e6, "stage_busy_s": stage_work / 1e6 if stage_all else None})
     n = len(per_step)
     mean = {k: sum(p[k] for p in per_step) / n for k in ("step_s", "compute_s", "comm_s", "overlap_s", "busy_s", "idle_s")}
+    mean["stage_busy_s"] = sum(p["stage_busy_s"] for p in per_step) / n if stage_all else None
     lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
     # What the backend moved, per collective kind: count and bytes.
     collectives: dict[str, dict[str, Any]] = {}
@@ -195,7 +200,7 @@ def rank_profile(recorded: dict[str, Any]) -> dict[str, Any]:
     with open(recorded["trace"]) as fh:
         events = json.load(fh).get("traceEvents", [])
     out = summarize_rank(events, rank=recorded["rank"], hooks_saw=recorded["hooks_saw"])
-    out.update({k: recorded[k] for k in ("trace", "tokens", "state_bytes", "stages", "mesh")})
+    out.update({k: recorded[k] for k in ("trace", "tokens", "state_bytes", "state_arithmetic", "stages", "mesh")})
     if recorded.get("cuda_peak_bytes") is not None:
         out["peak_bytes"] = recorded["cuda_peak_bytes"]
         out["peak_source"] = "torch.cuda.max_memory_allocated over the profiled steps"
@@ -232,9 +237,14 @@ def build_profile(result: dict[str, Any], *, steps: int, warmup: int) -> dict[st
         m = int(result["micro_batches"])
         per_stage = {}
         for r in staged:
-            idle = r["step_s"] - r["compute_s"]
-            per_stage[str(r["stages"])] = {"rank": r["rank"], "busy_s": r["compute_s"], "idle_s": idle,
-                                           "fraction": idle / r["step_s"] if r["step_s"] else 0.0}
+            # busy: the stage's forward and backward chunks as the schedule ran them; without
+            # those annotations, its compute
+            busy = r["stage_busy_s"] if r.get("stage_busy_s") is not None else r["compute_s"]
+            idle = r["step_s"] - busy
+            per_stage[str(r["stages"])] = {"rank": r["rank"], "busy_s": busy, "idle_s": idle,
+                                           "fraction": idle / r["step_s"] if r["step_s"] else 0.0,
+                                           "busy_from": "stage forward/backward chunks" if r.get("stage_busy_s") is not None
+                                           else "compute"}
         fractions = [s["fraction"] for s in per_stage.values()]
         busy = [s["busy_s"] for s in per_stage.values()]
         out["bubble"] = {"stages": p, "micro_batches": m, "theory": bubble_theory(p, m),

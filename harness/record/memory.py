@@ -145,6 +145,23 @@ def state_bytes(modules: nn.Module | Sequence[nn.Module], optimizer: torch.optim
     return totals[0], totals[1], totals[2]
 
 
+def expected_state_bytes(model: nn.Module | Sequence[nn.Module], element_bytes: int) -> dict[str, int]:
+    """The arithmetic: each parameter's elements over the mesh sizes it is sharded along (its
+    DTensor ``Shard`` placements), times bytes per element, for weights, gradients and Adam's
+    two moments."""
+    elements = 0
+    for module in [model] if isinstance(model, nn.Module) else list(model):
+        for p in module.parameters():
+            n = p.numel()
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                for i, placement in enumerate(p.placements):
+                    if placement.is_shard():
+                        n //= mesh.size(i)
+            elements += n
+    return {"params": elements * element_bytes, "grads": elements * element_bytes, "optim": 2 * elements * element_bytes}
+
+
 def state_bytes_per_rank(
     modules: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, ranks: Sequence[int]
 ) -> dict[int, tuple[int, int, int]]:

@@ -70,6 +70,11 @@ def _bar(r: dict[str, Any], scale: float) -> str:
     return f"<svg width='{x + 2:.0f}' height='16'>{''.join(out)}</svg>"
 
 
+def _arith(r: dict[str, Any]) -> str:
+    a = r.get("state_arithmetic")
+    return " / ".join(_bytes(a[k]) for k in ("params", "grads", "optimizer")) if a else "-"
+
+
 def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | None = None) -> str:
     """The profile as one self-contained HTML page."""
     e = html.escape
@@ -84,7 +89,8 @@ def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | No
         for r in profile["ranks"].values() for g, v in sorted(r["collectives_by_group"].items()))
     memory = "".join(
         f"<tr><td>{r['rank']}</td><td>{_bytes(r['state_bytes']['params'])}</td><td>{_bytes(r['state_bytes']['grads'])}</td>"
-        f"<td>{_bytes(r['state_bytes']['optimizer'])}</td><td>{_bytes(r['peak_bytes'])}</td><td>{e(r['peak_source'])}</td></tr>"
+        f"<td>{_bytes(r['state_bytes']['optimizer'])}</td><td>{_arith(r)}</td><td>{_bytes(r['peak_bytes'])}</td>"
+        f"<td>{e(r['peak_source'])}</td></tr>"
         for r in profile["ranks"].values())
     bubble = ""
     if profile.get("bubble"):
@@ -106,5 +112,6 @@ def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | No
             f"<p>slowest rank {profile['slowest_rank']}, spread {profile['spread']:.0%}</p>{bubble}"
             "<h2>Collectives per group (profiled steps)</h2><table><tr><th>rank</th><th>group</th><th>count</th>"
             f"<th>bytes</th></tr>{groups}</table><h2>Memory</h2><table><tr><th>rank</th><th>parameters</th>"
-            f"<th>gradients</th><th>optimizer</th><th>peak allocated</th><th>peak from</th></tr>{memory}</table>"
+            f"<th>gradients (after zero_grad)</th><th>optimizer</th><th>arithmetic: params / grads / optimizer</th><th>peak allocated</th>"
+            f"<th>peak from</th></tr>{memory}</table>"
             "</body></html>")

@@ -40,7 +40,7 @@ from reference.schedule import global_batch_indices, replica_micro_batch_indices
 
 from harness.codes import Diagnosis
 from harness.parallel_dims import ParallelDims
-from harness.record.memory import SavedTensorMeter, format_bytes, reference_memory, state_bytes_per_rank
+from harness.record.memory import SavedTensorMeter, expected_state_bytes, format_bytes, reference_memory, state_bytes_per_rank
 from harness.simulate.trace import CollectiveLog, MeshGroups, build_trace, collective_records
 from harness.simulate.world import SimulatedWorld, SimulationError
 from harness.tracing.records import CollectiveRecord, record_bytes
@@ -99,21 +99,6 @@ class LayoutReport:
 def _partition(groups: Mapping[int, list[int]]) -> list[list[int]]:
     """rank -> its group, as the list of distinct groups."""
     return [list(g) for g in sorted({tuple(sorted(g)) for g in groups.values()})]
-
-
-def _expected_state(model: nn.Module, element_bytes: int) -> dict[str, int]:
-    """The arithmetic: each parameter's elements over the mesh sizes it is sharded along,
-    times bytes per element, for weights, gradients and Adam's two moments."""
-    elements = 0
-    for p in model.parameters():
-        n = p.numel()
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            for i, placement in enumerate(p.placements):
-                if placement.is_shard():
-                    n //= mesh.size(i)
-        elements += n
-    return {"params": elements * element_bytes, "grads": elements * element_bytes, "optim": 2 * elements * element_bytes}
 
 
 def _stage_ranks(groups: MeshGroups, dims: ParallelDims, stage: int) -> list[list[int]]:
@@ -206,7 +191,7 @@ def check_layout(plan: LayoutPlan, *, echo: Callable[[str], None] | None = None)
                 grads = state_bytes_per_rank(model, None, list(local_to_global))
                 optimizer.step()
                 measured_all = state_bytes_per_rank(model, optimizer, list(local_to_global))
-                expected = _expected_state(model, element_bytes)  # the same on every rank of the stage
+                expected = expected_state_bytes(model, element_bytes)  # the same on every rank of the stage
             for k, g in local_to_global.items():
                 measured = measured_all[k]
                 coords = groups.coords[g]

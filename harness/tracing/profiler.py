@@ -22,9 +22,10 @@ from reference.case import Case, tensors_in
 
 from harness.strategy import DistContextLike
 
-__all__ = ["STEP_MARK", "profile_loop", "profile_strategy"]
+__all__ = ["STAGE_MARK", "STEP_MARK", "profile_loop", "profile_strategy"]
 
 STEP_MARK = "harness.step#"  # the annotation of each profiled step: harness.step#<step>
+STAGE_MARK = "harness.stage#"  # a pipeline stage's work: harness.stage#<index>.forward / .backward
 
 
 def _train_step(case: Case, strategy: Any, setup: Any, step: int, tracer: Any) -> int:
@@ -65,6 +66,7 @@ def profile_strategy(case: Case, strategy: Any, ctx: DistContextLike, *, steps: 
         tracer.set_phase("train")
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
+        _annotate_stages(setup.state)
         with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
             for step in range(warmup, warmup + steps):
                 with record_function(f"{STEP_MARK}{step}"):
@@ -74,11 +76,41 @@ def profile_strategy(case: Case, strategy: Any, ctx: DistContextLike, *, steps: 
                      setup.optimizer, warmup=warmup, tokens=tokens, trace_dir=trace_dir)
 
 
+def _annotate_stages(state: Any) -> None:
+    """``torch.distributed.pipelining``'s schedules mark no stage work (2.13): wrap each
+    stage's ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` on
+    the instance in a ``harness.stage#<i>.forward`` / ``.backward`` annotation, so the profile
+    reads each stage's busy time as the schedule ran it (p2p waits are outside these calls)."""
+    from torch.profiler import record_function
+
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:  # pragma: no cover - pipelining ships with torch 2.13
+        return
+    values = list(state.values()) if isinstance(state, dict) else []
+    stages = [v for v in values if isinstance(v, _PipelineStageBase)]
+    stages += [x for v in values if isinstance(v, (list, tuple)) for x in v if isinstance(x, _PipelineStageBase)]
+    for stage in stages:
+        for method, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                              ("backward_weight_one_chunk", "backward")):
+            inner = getattr(stage, method, None)
+            if inner is None or getattr(inner, "_harness_annotated", False):
+                continue
+
+            def annotated(*args: Any, _inner: Any = inner, _name: str = f"{STAGE_MARK}{stage.stage_index}.{phase}",
+                          **kwargs: Any) -> Any:
+                with record_function(_name):
+                    return _inner(*args, **kwargs)
+
+            annotated._harness_annotated = True  # type: ignore[attr-defined]
+            setattr(stage, method, annotated)
+
+
 def _recorded(prof: Any, tracer: Any, ctx: DistContextLike, layout: Any, models: list[Any], optimizer: Any, *, warmup: int,
               tokens: int, trace_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Export this rank's trace; what it does not hold (the hooks' collectives of the profiled
     steps, tokens, state bytes, the layout) beside its path."""
-    from harness.record.memory import state_bytes
+    from harness.record.memory import expected_state_bytes, state_bytes
 
     path = Path(trace_dir) / f"rank{ctx.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,9 +122,14 @@ def _recorded(prof: Any, tracer: Any, ctx: DistContextLike, layout: Any, models:
         for c in rank_trace.collectives if c.step is not None and c.step >= warmup and c.phase != "harness"
     ]
     param_b, grad_b, optim_b = state_bytes(models, optimizer)
+    element = next((p.element_size() for m in models for p in m.parameters()), 4)
+    arithmetic = expected_state_bytes(models, element)
     summary: dict[str, Any] = {
         "rank": ctx.rank, "trace": str(path), "hooks_saw": hooks_saw, "tokens": tokens,
         "state_bytes": {"params": param_b, "grads": grad_b, "optimizer": optim_b},
+        # the arithmetic (parameters over their shard counts; gradients as many; Adam's two
+        # moments), beside what the rank held after its last step (gradients freed by zero_grad)
+        "state_arithmetic": {"params": arithmetic["params"], "grads": arithmetic["grads"], "optimizer": arithmetic["optim"]},
         "stages": list(layout.stages) if layout is not None and layout.stages is not None else None,
         "mesh": dict(layout.mesh) if layout is not None else {},
     }
