@@ -137,7 +137,7 @@ class OpLog(TorchDispatchMode):
     innermost module it ran in (``stack`` is kept by :func:`track_modules`' hooks). Outputs
     over ``max_numel`` elements, and every op once ``budget`` elements are kept, are skipped."""
 
-    def __init__(self, stack: list[str], *, max_numel: int = 1 << 20, budget: int = 1 << 23):
+    def __init__(self, stack: list[str], *, max_numel: int = 1 << 20, budget: int = 1 << 21):
         super().__init__()
         self.stack = stack
         self.max_numel = max_numel
