@@ -84,6 +84,12 @@ def _consistent(profile: dict) -> None:
     json.dumps(profile)
 
 
+def test_fsdp2_collectives_agree_with_the_trace(rank_runner, tmp_path) -> None:
+    profile = profile_target("fsdp", steps=1, warmup=1, runner=rank_runner, trace_dir=tmp_path)
+    _consistent(profile)
+    assert {"allgather", "allreduce"} <= set(profile["ranks"][0]["collectives"])  # gloo reduce-scatters as an all-reduce
+
+
 def test_ddp_all_reduces_the_gradient_bytes_every_step(rank_runner, tmp_path) -> None:
     profile = profile_target("ddp", steps=2, warmup=1, runner=rank_runner, trace_dir=tmp_path)
     _consistent(profile)
@@ -131,7 +137,10 @@ def test_the_cli_profiles_after_the_verdict_and_refuses_a_layout_plan(tmp_path, 
     assert printed.startswith("PASS") and "agree with the harness's collective trace" in printed
     data = json.loads(out.read_text())
     assert data["verdict"]["verdict"] == "pass" and data["profile"]["collectives_agree"]
-    assert {"0", "1"} == set(data["profile"]["ranks"]) and "timeline" in html.read_text()
+    assert {"0", "1"} == set(data["profile"]["ranks"]) and "Timeline of the last profiled step" in html.read_text()
+    for r in data["profile"]["ranks"].values():  # the timeline's intervals lie inside the step
+        t = r["timeline"]
+        assert t["compute"] and all(0 <= a <= b <= t["length_ms"] + 1e-6 for a, b in t["compute"] + t["comm"])
 
 
 @pytest.mark.distributed(nproc=2)

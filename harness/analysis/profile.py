@@ -154,6 +154,16 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
                          "compute_s": _length(compute) / 1e6, "comm_s": _length(comm) / 1e6, "overlap_s": overlap / 1e6,
                          "busy_s": busy / 1e6, "idle_s": (length - busy) / 1e6,
                          "recording_s": (s["dur"] - length) / 1e6, "stage_busy_s": stage_work / 1e6 if stage_all else None})
+    # The last profiled step's intervals relative to its start (ms), for the report's timeline:
+    # what the rank computed, communicated and, in a pipeline, worked on as a stage.
+    last = steps[-1]
+    lo_last, hi_last = last["ts"], last["ts"] + last["dur"]
+
+    def lane(intervals: list[tuple[float, float]]) -> list[list[float]]:
+        return [[round((a - lo_last) / 1e3, 3), round((b - lo_last) / 1e3, 3)] for a, b in _clip(intervals, lo_last, hi_last)][:500]
+
+    timeline = {"step": per_step[-1]["step"], "length_ms": last["dur"] / 1e3, "compute": lane(compute_all),
+                "comm": lane(comm_all), "stage": lane(stage_all), "recording": lane(recording)}
     n = len(per_step)
     mean = {k: sum(p[k] for p in per_step) / n for k in ("step_s", "compute_s", "comm_s", "overlap_s", "busy_s", "idle_s")}
     mean["stage_busy_s"] = sum(p["stage_busy_s"] for p in per_step) / n if stage_all else None
@@ -185,7 +195,7 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
     peaks = [float((e.get("args") or {}).get("Total Allocated", 0)) for e in events
              if e.get("name") == "[memory]" and lo <= e.get("ts", lo - 1) <= hi]
     return {
-        "rank": rank, "steps": per_step, **mean, "exposed_comm_s": mean["comm_s"] - mean["overlap_s"],
+        "rank": rank, "steps": per_step, **mean, "exposed_comm_s": mean["comm_s"] - mean["overlap_s"], "timeline": timeline,
         "collectives": collectives, "collectives_by_group": by_group, "hooks_collectives": hooks,
         "collectives_agree": not disagree, "collectives_disagree": disagree,
         "peak_bytes": int(max(peaks)) if peaks else None,

@@ -70,6 +70,32 @@ def _bar(r: dict[str, Any], scale: float) -> str:
     return f"<svg width='{x + 2:.0f}' height='16'>{''.join(out)}</svg>"
 
 
+def _timeline(profile: dict[str, Any]) -> str:
+    """Each rank's last profiled step on one time axis: lanes of compute, communication and (in
+    a pipeline) the stage's forward/backward chunks; the gaps are idle."""
+    ranks = list(profile["ranks"].values())
+    longest = max((r["timeline"]["length_ms"] for r in ranks if r.get("timeline")), default=0.0) or 1.0
+    width, lane_h = 800, 8
+    colours = {"compute": "#4a7", "comm": "#c84", "stage": "#58c", "recording": "#bbb"}
+    rows = []
+    for r in ranks:
+        t = r.get("timeline")
+        if not t:
+            continue
+        lanes = [k for k in ("compute", "comm", "stage", "recording") if t.get(k)]
+        rects = []
+        for i, k in enumerate(lanes):
+            for a, b in t[k]:
+                rects.append(f"<rect x='{a / longest * width:.1f}' y='{i * lane_h}' width='{max((b - a) / longest * width, 0.5):.1f}' "
+                             f"height='{lane_h - 1}' fill='{colours[k]}'><title>{k} {a:.2f}-{b:.2f} ms</title></rect>")
+        rows.append(f"<tr><td>{r['rank']}</td><td>{', '.join(lanes)}</td><td><svg width='{width}' height='{len(lanes) * lane_h}'>"
+                    f"<rect x='0' y='0' width='{t['length_ms'] / longest * width:.1f}' height='{len(lanes) * lane_h}' fill='#f4f4f4'/>"
+                    f"{''.join(rects)}</svg></td></tr>")
+    return (f"<h2>Timeline of the last profiled step ({longest:.1f} ms)</h2><p>lanes top to bottom as listed: compute "
+            "(green), communication (orange), pipeline stage chunks (blue), the harness's own recording (grey); "
+            "gaps are idle</p><table><tr><th>rank</th><th>lanes</th><th>timeline</th></tr>" + "".join(rows) + "</table>")
+
+
 def _arith(r: dict[str, Any]) -> str:
     a = r.get("state_arithmetic")
     return " / ".join(_bytes(a[k]) for k in ("params", "grads", "optimizer")) if a else "-"
@@ -109,7 +135,7 @@ def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | No
             "<h2>Per rank (mean per step)</h2><p>bar: compute, compute overlapped with communication, exposed "
             "communication, idle</p><table><tr><th>rank</th><th>step</th><th>compute</th><th>comm</th><th>overlap</th>"
             f"<th>exposed</th><th>idle</th><th>timeline</th></tr>{rows}</table>"
-            f"<p>slowest rank {profile['slowest_rank']}, spread {profile['spread']:.0%}</p>{bubble}"
+            f"<p>slowest rank {profile['slowest_rank']}, spread {profile['spread']:.0%}</p>{_timeline(profile)}{bubble}"
             "<h2>Collectives per group (profiled steps)</h2><table><tr><th>rank</th><th>group</th><th>count</th>"
             f"<th>bytes</th></tr>{groups}</table><h2>Memory</h2><table><tr><th>rank</th><th>parameters</th>"
             f"<th>gradients (after zero_grad)</th><th>optimizer</th><th>arithmetic: params / grads / optimizer</th><th>peak allocated</th>"
