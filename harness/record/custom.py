@@ -320,7 +320,11 @@ class CustomRun:
         if step == 0 and probe is not None and probe.input is not None and probe.loss is None:
             if probe.ids is None:  # the input came from the forward itself: what samples it should hold
                 probe.ids = [int(i) for i in sample_ids]
-                probe.expected_input = map_tensors(lambda t: t.detach().cpu().clone(), self._collate_ids(sample_ids, step).inputs)
+                try:
+                    expected = self._collate_ids(sample_ids, step).inputs
+                except Exception:  # noqa: BLE001 - ids the case's dataset cannot collate: nothing to compare, the loop goes on
+                    expected = None
+                probe.expected_input = map_tensors(lambda t: t.detach().cpu().clone(), expected) if expected is not None else None
             elif [int(i) for i in sample_ids] == probe.ids and isinstance(loss, torch.Tensor):
                 probe.keep_loss(loss)  # the probed micro-batch's loss: replayed against the reference's
         self._step(step)

@@ -153,7 +153,10 @@ class OpLog(TorchDispatchMode):
         if getattr(func, "namespace", "aten") in _COLLECTIVE_NAMESPACES:
             self.ops.append(OpCapture(self.stack[-1] if self.stack else "", str(func), None))
         elif not _is_layout_op(func):
-            self._keep(func, out)
+            try:
+                self._keep(func, out)
+            except Exception:  # noqa: BLE001 - a value the log cannot copy (a tensor subclass it does not know) is skipped, never the model's failure
+                self.skipped += 1
         return out
 
     def _keep(self, func: Any, out: Any) -> None:
@@ -265,7 +268,10 @@ class ActivationProbe:
             return
         if self.input is None:  # a loop that reads its own batches: the forward's own input
             given = dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else tuple(args))
-            self.input = map_tensors(lambda t: (t.to_local() if is_dtensor(t) else t).detach().cpu().clone(), given)
+            try:
+                self.input = map_tensors(lambda t: (t.to_local() if is_dtensor(t) else t).detach().cpu().clone(), given)
+            except Exception:  # noqa: BLE001 - an input the probe cannot copy: no replay, the run goes on
+                self.input = None
         self._log = OpLog(self._stack, max_numel=self.max_numel)
         self._log.__enter__()
 
@@ -319,8 +325,13 @@ class ActivationProbe:
 
     def keep_loss(self, loss: Any) -> None:
         """This rank's loss on the probed micro-batch (None: it computes none)."""
-        if self.loss is None and isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self.loss = loss.detach().float().cpu().clone().reshape(())
+        if self.loss is not None or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        if is_dtensor(loss):  # only a replicated loss is this rank's whole value
+            if not all(type(p).__name__ == "Replicate" for p in loss.placements):
+                return
+            loss = loss.to_local()
+        self.loss = loss.detach().float().cpu().clone().reshape(())
 
     def detach(self) -> None:
         if self._log is not None:  # a forward that never finished: no half log
