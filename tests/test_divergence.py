@@ -284,3 +284,16 @@ def test_gradients_that_fail_in_part_are_located_and_a_scale_on_all_of_them_is_n
         assert where is None, where
     else:
         assert where is not None and (where["phase"], where["module"]) == ("backward", module), where
+
+
+def test_an_op_the_log_cannot_copy_is_skipped_and_never_fails_the_forward(monkeypatch) -> None:
+    from harness.record.probe import OpLog
+
+    def cannot_copy(self, func, out):
+        raise RuntimeError("a tensor subclass the log does not know")
+
+    monkeypatch.setattr(OpLog, "_keep", cannot_copy)
+    model = CASE.build_model("cpu")
+    x = torch.randn(4, 8)
+    ops, out = op_log(model, lambda: model(x))
+    assert ops == [] and torch.equal(out, model(x))
