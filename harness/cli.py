@@ -107,7 +107,7 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import json
 
     from harness.launch.remote import RankRunner
-    from harness.pipeline import diagnose_target, profile_target
+    from harness.pipeline import check_profilable, diagnose_target, profile_target
     from harness.report import format_terminal
     from harness.analysis.profile import check_thresholds
     from harness.report.profile import format_profile, render_profile_html
@@ -120,12 +120,9 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.nproc is not None and args.nproc < 1:
         return _usage(parser, f"--nproc must be >= 1, got {args.nproc}")
     try:
-        target = load_target(args.target)
+        target = check_profilable(load_target(args.target))
     except TargetError as exc:
         return _usage(parser, str(exc))
-    if target.layout is not None or (target.strategy is None and target.train is None):
-        return _usage(parser, f"{target.name}: profile runs a strategy's or a train(ctx, run) loop's steps; a layout "
-                              "plan trains nothing")
     runner = RankRunner()
     try:
         report = diagnose_target(args.target, nproc=args.nproc, runner=runner, timeout=args.timeout, cache=args.cache,

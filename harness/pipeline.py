@@ -694,6 +694,15 @@ def profile_on_rank(ctx: Any, target_spec: str, steps: int, warmup: int, trace_d
     return {**profile, "target": target.name} if ctx.rank == 0 else None
 
 
+def check_profilable(target: Target) -> Target:
+    """``target`` itself when it trains steps the profiler can mark (a strategy or a
+    ``train(ctx, run)`` loop); a :class:`TargetError` saying why not otherwise."""
+    if target.layout is not None or (target.strategy is None and target.train is None):
+        raise TargetError(f"{target.name}: profile runs a strategy's or a train(ctx, run) loop's steps; a layout plan "
+                          "trains nothing")
+    return target
+
+
 def profile_target(
     target: str,
     *,
@@ -709,10 +718,7 @@ def profile_target(
     else 2); each rank's Chrome trace in ``trace_dir``."""
     from harness.targets.bundled import load_target
 
-    resolved = load_target(target)
-    if resolved.layout is not None or (resolved.strategy is None and resolved.train is None):
-        raise TargetError(f"{resolved.name}: profile runs a strategy's or a train(ctx, run) loop's steps; a layout plan "
-                          "trains nothing")
+    resolved = check_profilable(load_target(target))
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 0:
         raise TargetError(f"profile needs steps >= 1 and warmup >= 0, got steps={steps!r}, warmup={warmup!r}")
     world = nproc or resolved.nproc or 2

@@ -59,6 +59,25 @@ def _current_test() -> str | None:
     return running.rsplit(" ", 1)[0] if running else None
 
 
+def _shared_folder(ctx: DistContextLike, dst: int, given: str | os.PathLike[str] | None, *, prefix: str,
+                   within_run_dir: str = "") -> Path:
+    """Collective: one folder for every rank, as ``dst`` chooses it: ``given``, else the
+    plugin's folder for this test (kept when it fails; ``within_run_dir`` a subfolder of it),
+    else a new temporary folder."""
+    import tempfile
+
+    chosen = None
+    if ctx.rank == dst:
+        current = _current()
+        if given is not None:
+            chosen = str(given)
+        elif current is not None and current.run_dir:
+            chosen = str(Path(current.run_dir) / within_run_dir) if within_run_dir else current.run_dir
+        else:
+            chosen = tempfile.mkdtemp(prefix=prefix)
+    return Path(broadcast_object(chosen, dst))
+
+
 def _target(case: Case, trains: Any, glue: tuple[Any, Any] | None = None) -> Target:
     """The run a check names: the test, else the strategy (or loop) and the case; ``glue``: a
     loop's own checkpoint ``(save, load)``."""
@@ -160,8 +179,6 @@ def assert_resumes(
     was saved and the continuation agrees with the uninterrupted run
     (:mod:`harness.analysis.resume`). Returns the
     :class:`~harness.analysis.resume.ResumeCheck` on every rank."""
-    import tempfile
-
     from harness.pipeline import diagnose_on_ranks
     from harness.record.checkpoint import CheckpointPlan
 
@@ -172,11 +189,7 @@ def assert_resumes(
         raise TypeError("assert_resumes: a loop with its own save/load resumes into itself (only its load reads its files)")
     glue = (save, load) if save is not None else None
     into = into if into is not None else strategy
-    current = _current()
-    if workdir is None:
-        workdir = current.run_dir if current is not None and current.run_dir else None
-    base = Path(broadcast_object(str(workdir) if workdir is not None else (tempfile.mkdtemp(prefix="harness-resume-")
-                                                                             if ctx.rank == dst else None), dst))
+    base = _shared_folder(ctx, dst, workdir, prefix="harness-resume-")
     checkpoint = str(base / "checkpoint")
     saving = _target(case, strategy, glue)
     run = diagnose_on_ranks(saving, ctx, steps=steps, dst=dst, report_on_pass=False, tolerance=tolerance,
@@ -206,13 +219,7 @@ def profile_run(
     every rank. Each rank's Chrome trace goes to ``trace_dir`` (default: the test's run folder,
     else a new temporary one). Check the run with :func:`assert_matches_reference` first; the
     figures are timings, so assert on counts, bytes and identities, not on seconds."""
-    import tempfile
-
     from harness.pipeline import profile_on_ranks
 
-    if trace_dir is None:
-        current = _current()
-        chosen = (str(Path(current.run_dir) / "profile") if current is not None and current.run_dir
-                  else tempfile.mkdtemp(prefix="harness-profile-")) if ctx.rank == dst else None
-        trace_dir = broadcast_object(chosen, dst)
+    trace_dir = _shared_folder(ctx, dst, trace_dir, prefix="harness-profile-", within_run_dir="profile")
     return profile_on_ranks(case, strategy, ctx, steps=steps, warmup=warmup, trace_dir=trace_dir)

@@ -297,3 +297,12 @@ def test_an_op_the_log_cannot_copy_is_skipped_and_never_fails_the_forward(monkey
     x = torch.randn(4, 8)
     ops, out = op_log(model, lambda: model(x))
     assert ops == [] and torch.equal(out, model(x))
+
+
+def test_an_op_log_is_searched_by_identity_even_where_one_op_repeats_in_a_module() -> None:
+    from harness.record.probe import OpCapture
+
+    # Two adds in one module with outputs of one shape: equality by fields would compare the
+    # tensors, whose truth value is ambiguous, and the search for the second would raise.
+    first, second = (OpCapture("block", "aten.add.Tensor", torch.full((2, 2), v)) for v in (1.0, 2.0))
+    assert [first, second].index(second) == 1 and first != second

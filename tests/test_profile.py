@@ -39,7 +39,7 @@ def _events() -> list[dict]:
 
 
 def test_the_figures_of_one_step_add_up_and_a_collective_call_is_not_compute() -> None:
-    hooks = [{"op": "all_reduce", "group": "default_pg", "group_ranks": [0, 1], "shapes": [[100]], "dtypes": ["float32"]}]
+    hooks = [{"op": "all_reduce", "group": "default_pg", "group_ranks": [0, 1], "bytes": 400}]
     r = summarize_rank(_events(), rank=0, hooks_saw=hooks)
     assert math.isclose(r["step_s"], 0.010) and math.isclose(r["compute_s"], 0.003)  # 1-3 and 7-8 ms
     assert math.isclose(r["comm_s"], 0.003) and math.isclose(r["overlap_s"], 0.0)

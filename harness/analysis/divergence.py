@@ -86,13 +86,17 @@ def _tp(entry: dict[str, Any]) -> tuple[int | None, list[int]]:
     return (int(coord) if coord is not None else None), group
 
 
-def _group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, shape: torch.Size) -> torch.Tensor | None:
-    """The sum of module ``name``'s outputs over the ranks of ``group``, or None where one of
-    them has no capture of that shape."""
-    peers = [by_rank[r]["captures"].get(name) for r in group if r in by_rank]
-    if not group or any(p is None or p.output.shape != shape for p in peers):
+def _summed(held: list[Any], shape: torch.Size) -> torch.Tensor | None:
+    """The sum of the group's held values (captures or ops, each with an ``output``), or None
+    where the group is empty or one of them has no output of that shape."""
+    if not held or any(h is None or h.output is None or h.output.shape != shape for h in held):
         return None
-    return torch.stack([p.output for p in peers]).sum(0)
+    return torch.stack([h.output for h in held]).sum(0)
+
+
+def _group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, shape: torch.Size) -> torch.Tensor | None:
+    """The sum of module ``name``'s outputs over the ranks of ``group`` (:func:`_summed`)."""
+    return _summed([by_rank[r]["captures"].get(name) for r in group if r in by_rank], shape)
 
 
 @dataclass
@@ -265,11 +269,7 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
     keys = {id(o): k for k, o in _keyed(held_ops).items()}
 
     def peer_sum(op: OpCapture) -> torch.Tensor | None:
-        key = keys[id(op)]
-        values = [peers[r].get(key) for r in group if r in peers]
-        if not group or any(v is None or v.output is None or v.output.shape != op.output.shape for v in values):
-            return None
-        return torch.stack([v.output for v in values]).sum(0)
+        return _summed([peers[r].get(keys[id(op)]) for r in group if r in peers], op.output.shape)
 
     def scan(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], scope: str,
              only: Callable[[OpCapture], bool] = lambda o: True) -> tuple[dict[str, Any] | None, OpCapture | None]:
@@ -317,9 +317,9 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
         # departs before the module's own ops is where the values left the reference.
         ancestors = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
         first_own = next((i for i, o in enumerate(held_ops) if o.module == module or o.module.startswith(module + ".")), None)
-        before = held_ops[:first_own] if first_own is not None else []
+        before = {id(o) for o in held_ops[:first_own]} if first_own is not None else set()
         found, _ = scan(_aligned(held_ops, ref_ops), held_ops, f"inline in the forward of a module containing {module!r}, before it",
-                        lambda o: o.module in ancestors and any(o is b for b in before))
+                        lambda o: o.module in ancestors and id(o) in before)
         if found is not None:
             return {**found, "inline_before": module}
     scopes = [("in the module itself", lambda m: m == module)]

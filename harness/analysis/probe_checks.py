@@ -27,9 +27,9 @@ __all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_loss", "refer
 PROBE_RTOL, PROBE_ATOL = 2e-3, 2e-4
 
 
-def _replay_reference(case: Case, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[OpCapture]]:
-    """The reference model's module outputs and op log (:func:`harness.record.probe.op_log`)
-    of one forward on ``x`` (same weights, same step-0 state, the case's seed for dropout)."""
+def _replay_reference(case: Case, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[OpCapture], Any]:
+    """The reference model's module outputs, op log (:func:`harness.record.probe.op_log`) and
+    output of one forward on ``x`` (same weights, same step-0 state, the case's seed for dropout)."""
     model = case.build_model("cpu")
 
     def forward() -> Any:
@@ -37,8 +37,8 @@ def _replay_reference(case: Case, x: torch.Tensor) -> tuple[dict[str, torch.Tens
             torch.manual_seed(case.seed)
             return case.call_model(model, x)
 
-    ops, (outs, _) = op_log(model, lambda: module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT))
-    return outs, ops
+    ops, (outs, output) = op_log(model, lambda: module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT))
+    return outs, ops, output
 
 
 def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -48,7 +48,7 @@ def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:
     if rank not in data.references:
         x = next(r for r in data.ranks if r["rank"] == rank)["input"]
-        data.references[rank], data.reference_ops[rank] = _replay_reference(case, x)
+        data.references[rank], data.reference_ops[rank], data.reference_results[rank] = _replay_reference(case, x)
 
 
 def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
@@ -69,10 +69,9 @@ def reference_loss(data: ProbeData, rank: int, case: Case) -> torch.Tensor | Non
     entry = next(r for r in data.ranks if r["rank"] == rank)
     if entry.get("targets") is None or entry.get("input") is None:
         return None
-    model = case.build_model("cpu")
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(case.seed)
-        return case.compute_loss(case.call_model(model, entry["input"]), entry["targets"]).detach().float()
+    _replayed(data, rank, case)  # the same replay's output: one forward per rank for every check
+    with torch.no_grad():
+        return case.compute_loss(data.reference_results[rank], entry["targets"]).detach().float()
 
 
 def _same_values(a: Any, b: Any) -> bool:

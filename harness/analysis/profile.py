@@ -40,12 +40,11 @@ __all__ = ["ELEMENT_BYTES", "bubble_theory", "build_profile", "check_thresholds"
 from harness.record.custom import RECORDING_MARK
 from harness.tracing.profiler import STAGE_MARK, STEP_MARK
 
-# The profiler's element type names (``Input type``) and torch dtype names, in bytes.
+# The profiler's element type names (its ``Input type`` args, C++ spellings), in bytes; the
+# hooks' torch dtype names are counted by harness.tracing.records.record_bytes.
 ELEMENT_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4, "short int": 2,
     "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
-    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 
 
@@ -180,16 +179,12 @@ def summarize_rank(events: list[dict[str, Any]], *, rank: int, hooks_saw: list[d
         c["count"] += 1
         c["bytes"] += size
     hooks: dict[str, dict[str, Any]] = {}
-    for h in hooks_saw:
-        size = sum(_numel(s) * ELEMENT_BYTES.get(str(t).removeprefix("torch."), 0) for s, t in zip(h["shapes"], h["dtypes"]))
-        c = hooks.setdefault(op_key(h["op"]), {"count": 0, "bytes": 0})
-        c["count"] += 1
-        c["bytes"] += size
     by_group: dict[str, dict[str, Any]] = {}
-    for h in hooks_saw:
-        g = by_group.setdefault(f"{h['group']} {h['group_ranks']}", {"count": 0, "bytes": 0})
-        g["count"] += 1
-        g["bytes"] += sum(_numel(s) * ELEMENT_BYTES.get(str(t).removeprefix("torch."), 0) for s, t in zip(h["shapes"], h["dtypes"]))
+    for h in hooks_saw:  # each with its bytes as harness.tracing.records.record_bytes counts them
+        for totals, key in ((hooks, op_key(h["op"])), (by_group, f"{h['group']} {h['group_ranks']}")):
+            c = totals.setdefault(key, {"count": 0, "bytes": 0})
+            c["count"] += 1
+            c["bytes"] += h["bytes"]
     disagree = {k: {"profiler": collectives.get(k), "hooks": hooks.get(k)} for k in sorted(set(collectives) | set(hooks))
                 if collectives.get(k) != hooks.get(k)}
     peaks = [float((e.get("args") or {}).get("Total Allocated", 0)) for e in events

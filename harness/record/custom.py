@@ -86,7 +86,7 @@ class CustomRun:
         self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
         self._hook_step = False
         self.steps_done = 0  # steps recorded to the end (after_step calls)
-        # Set by a profiled run (harness.pipeline.profile_custom_on_ranks): called at the end of
+        # Set by a profiled run (harness.tracing.profiler.profile_loop): called at the end of
         # each after_step, where one step ends and the next begins; the harness's own recording
         # is then annotated "harness.recording", so the profile leaves it out.
         self.on_step_end: Callable[[int], None] | None = None

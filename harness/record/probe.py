@@ -25,7 +25,7 @@ correctness tests, not for production-size activations.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from reference.case import Batch, Case, map_tensors
 
 from harness.record.gather import reference_name
 
-__all__ = ["OUTPUT", "ActivationProbe", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "op_log"]
+__all__ = ["OUTPUT", "ActivationProbe", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "op_log", "probe_entry"]
 
 OUTPUT = "<output>"  # capture name of the whole model's output
 
@@ -101,7 +101,7 @@ def module_outputs(
     return outs, result
 
 
-@dataclass
+@dataclass(eq=False)  # identity: logs are searched with list.index, and two outputs' tensors have no one truth value
 class OpCapture:
     """One op of a logged forward: its output (the local tensor, cast to float32 on the CPU)."""
 
@@ -125,8 +125,6 @@ _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autogr
 
 
 def _is_layout_op(func: Any) -> bool:
-    if getattr(func, "namespace", "aten") in _COLLECTIVE_NAMESPACES:
-        return True
     if getattr(func, "is_view", False):
         return True
     return func.overloadpacket.__name__ in _LAYOUT_OPS
@@ -392,27 +390,43 @@ class ProbeData:
     # reads them (harness.analysis.probe_checks.reference_outputs).
     references: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     reference_ops: dict[int, list[OpCapture]] = field(default_factory=dict, repr=False)
+    reference_results: dict[int, Any] = field(default_factory=dict, repr=False)  # what the replayed forward returned
+
+
+def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """What one rank's probe holds, as :class:`ProbeData` keeps it per rank. ``value`` maps
+    each captured tensor to this rank's (simulated ranks: its piece of a LocalTensor);
+    default, the tensor itself."""
+    import dataclasses
+
+    def of(v: Any) -> Any:
+        return v if value is None or v is None else value(v)
+
+    def tree(v: Any) -> Any:
+        return map_tensors(of, v) if v is not None and value is not None else v
+
+    return {
+        "rank": rank,
+        "mesh": dict(layout.mesh) if layout is not None else {},
+        "groups": {k: list(v) for k, v in layout.groups.items()} if layout is not None else {},
+        "stages": list(layout.stages) if layout is not None and layout.stages is not None else None,
+        "input": tree(probe.input),
+        "targets": tree(probe.targets),
+        "loss": of(probe.loss),
+        "ids": probe.ids,
+        "expected_input": probe.expected_input,
+        "order": probe.order if value is None else list(probe.order),
+        "captures": probe.captures if value is None else {
+            name: dataclasses.replace(cap, output=of(cap.output), input=of(cap.input)) for name, cap in probe.captures.items()},
+        "ops": probe.ops if value is None else [dataclasses.replace(op, output=of(op.output)) for op in probe.ops],
+    }
 
 
 def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
     """Collective: send every rank's captures to ``dst`` (returns them there, None elsewhere).
     ``strategy``: a :class:`ProbedStrategy`, or anything with its ``layout`` and ``probe`` (a
     custom loop's ``CustomRun``)."""
-    layout = strategy.layout
-    mine = {
-        "rank": dist.get_rank() if dist.is_initialized() else 0,
-        "mesh": dict(layout.mesh) if layout is not None else {},
-        "groups": {k: list(v) for k, v in layout.groups.items()} if layout is not None else {},
-        "stages": list(layout.stages) if layout is not None and layout.stages is not None else None,
-        "input": strategy.probe.input,
-        "targets": strategy.probe.targets,
-        "loss": strategy.probe.loss,
-        "ids": strategy.probe.ids,
-        "expected_input": strategy.probe.expected_input,
-        "order": strategy.probe.order,
-        "captures": strategy.probe.captures,
-        "ops": strategy.probe.ops,
-    }
+    mine = probe_entry(strategy.probe, dist.get_rank() if dist.is_initialized() else 0, strategy.layout)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ProbeData([mine])
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None

@@ -167,33 +167,14 @@ def simulate_strategy(
 def _probe_per_rank(probed: Any, layouts: dict[int, Any], world: SimulatedWorld) -> Any:
     """The probe of one SPMD forward (each capture a LocalTensor holding every rank's value)
     as the per-rank captures real ranks would have collected."""
-    from reference.case import map_tensors
-
-    from harness.record.probe import ProbeData
-
-    probe = probed.probe
-
-    def of(value: Any, rank: int) -> Any:
-        return None if value is None else rank_values(value, world.ranks)[rank]
+    from harness.record.probe import ProbeData, probe_entry
 
     ranks = []
     for r in world.ranks:
-        layout = layouts[r]
-        ranks.append({
-            "rank": r,
-            "mesh": dict(layout.mesh),
-            "groups": {k: list(v) for k, v in layout.groups.items()},
-            "stages": list(layout.stages) if layout.stages is not None else None,
-            "input": map_tensors(lambda t: of(t, r), probe.input) if probe.input is not None else None,
-            "targets": map_tensors(lambda t: of(t, r), probe.targets) if probe.targets is not None else None,
-            "loss": of(probe.loss, r),
-            "ids": None,  # every rank's ids differ; a simulated strategy reads its batches through the harness
-            "expected_input": None,
-            "order": list(probe.order),
-            "captures": {name: dataclasses.replace(cap, output=of(cap.output, r), input=of(cap.input, r))
-                         for name, cap in probe.captures.items()},
-            "ops": [dataclasses.replace(op, output=of(op.output, r)) for op in probe.ops],
-        })
+        entry = probe_entry(probed.probe, r, layouts[r], lambda v, r=r: rank_values(v, world.ranks)[r])
+        # every rank's ids differ; a simulated strategy reads its batches through the harness
+        entry.update(ids=None, expected_input=None)
+        ranks.append(entry)
     return ProbeData(ranks)
 
 

@@ -111,14 +111,14 @@ def _recorded(prof: Any, tracer: Any, ctx: DistContextLike, layout: Any, models:
     """Export this rank's trace; what it does not hold (the hooks' collectives of the profiled
     steps, tokens, state bytes, the layout) beside its path."""
     from harness.record.memory import expected_state_bytes, state_bytes
+    from harness.tracing.records import record_bytes
 
     path = Path(trace_dir) / f"rank{ctx.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     rank_trace = tracer.finish()
     hooks_saw = [
-        {"op": c.op, "group": c.group_desc or c.group, "group_ranks": c.group_ranks, "shapes": c.shapes, "dtypes": c.dtypes,
-         "is_p2p": c.is_p2p}
+        {"op": c.op, "group": c.group_desc or c.group, "group_ranks": c.group_ranks, "bytes": record_bytes(c), "is_p2p": c.is_p2p}
         for c in rank_trace.collectives if c.step is not None and c.step >= warmup and c.phase != "harness"
     ]
     param_b, grad_b, optim_b = state_bytes(models, optimizer)
