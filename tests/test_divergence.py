@@ -13,7 +13,7 @@ import torch
 
 from cases.catalog import mlp_case
 from harness.analysis.divergence import first_divergence_location
-from harness.analysis.probe_checks import _reference_outputs
+from harness.analysis.probe_checks import _replay_reference
 from harness.pipeline import diagnose_target
 from harness.record.probe import OUTPUT, Capture, ProbeData, module_outputs, op_log
 from harness.report import format_terminal
@@ -60,7 +60,7 @@ def _column_then_row(ref: dict[str, torch.Tensor], *, fc1_dtensor: bool) -> dict
 @pytest.mark.parametrize("fc1_dtensor", [True, False], ids=["dtensor", "hand-sharded"])
 def test_a_correct_tp_forward_has_no_location_and_a_changed_shard_is_found_on_its_rank(fc1_dtensor: bool) -> None:
     x = torch.randn(4, 8)
-    ref = _reference_outputs(CASE, x)
+    ref = _replay_reference(CASE, x)[0]
     held = _column_then_row(ref, fc1_dtensor=fc1_dtensor)
     assert first_divergence_location(_Failed(), _probe(x, held), CASE) is None
     # Rank 1's half of the activation is normalised over its own features (a norm on a local shard).
@@ -74,7 +74,7 @@ def test_a_correct_tp_forward_has_no_location_and_a_changed_shard_is_found_on_it
 
 def test_a_partial_sum_that_a_later_module_reduces_is_not_a_departure() -> None:
     x = torch.randn(4, 8)
-    ref = _reference_outputs(CASE, x)
+    ref = _replay_reference(CASE, x)[0]
     held = _column_then_row(ref, fc1_dtensor=False)
     for rank in (0, 1):  # fc2's plain output before its all-reduce: halves that sum to the whole
         held[rank]["fc2"] = (ref["fc2"] / 2, None)
@@ -87,7 +87,7 @@ def test_a_partial_sum_that_a_later_module_reduces_is_not_a_departure() -> None:
 
 def test_a_passed_comparison_gets_no_location_whatever_the_probe_holds() -> None:
     x = torch.randn(4, 8)
-    ref = _reference_outputs(CASE, x)
+    ref = _replay_reference(CASE, x)[0]
     held = {0: {"fc1": (ref["fc1"] + 1.0, None)}}
 
     class Passed(_Failed):
@@ -95,6 +95,64 @@ def test_a_passed_comparison_gets_no_location_whatever_the_probe_holds() -> None
 
     assert first_divergence_location(Passed(), _probe(x, held), CASE) is None
     assert first_divergence_location(_Failed(), _probe(x, held), CASE)["module"] == "fc1"
+
+
+# -- the backward: module outputs' gradients ------------------------------------------------
+
+
+class _GradsFailed(_Failed):
+    """Step 0's loss matches and a gradient does not."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace as T
+
+        self.tensors = [T(step=0, kind="loss", passed=True, name="loss"), T(step=0, kind="grad", passed=False, name="fc1.weight")]
+
+    def failures(self) -> list:
+        return [t for t in self.tensors if not t.passed]
+
+
+def _backward_probe(x: torch.Tensor, targets: torch.Tensor, grads: dict[int, dict[str, tuple[torch.Tensor, str | None]]],
+                    order: list[str]) -> ProbeData:
+    ref = _replay_reference(CASE, x)[0]
+    held = _column_then_row(ref, fc1_dtensor=False)
+    data = _probe(x, held)
+    for entry in data.ranks:
+        entry["targets"] = targets
+        for name, (grad, placements) in grads[entry["rank"]].items():
+            entry["captures"][name].grad, entry["captures"][name].grad_placements = grad, placements
+        entry["grad_order"] = [n for n in order if n in grads[entry["rank"]]]
+    return data
+
+
+def test_the_backward_is_located_by_its_activation_gradients_up_to_the_ranks_loss_weight() -> None:
+    x, targets = torch.randn(4, 8), torch.randn(4, 4)
+    _, _, _, ref = _replay_reference(CASE, x, targets)
+    order = list(ref)
+    assert order[0] in (OUTPUT, "fc2") and order.index("fc2") < order.index("act") < order.index("fc1"), order
+
+    def correct(weight: float) -> dict[int, dict[str, tuple[torch.Tensor, str | None]]]:
+        # a 2-way TP MLP's gradients, each rank's loss weighted by ``weight``: fc1 / act sharded
+        return {rank: {OUTPUT: (ref[OUTPUT] * weight, None), "fc2": (ref["fc2"] * weight, None),
+                       "act": (ref["act"].chunk(2, 1)[rank] * weight, None), "fc1": (ref["fc1"].chunk(2, 1)[rank] * weight, None)}
+                for rank in (0, 1)}
+
+    assert first_divergence_location(_GradsFailed(), _backward_probe(x, targets, correct(0.5), order), CASE) is None
+    # The gradient of fc2's input (act's output) halved on each rank: a sum no all-reduce completed.
+    grads = correct(0.5)
+    for rank in (0, 1):
+        grads[rank]["act"] = (ref["act"] * 0.25, None)
+        grads[rank]["fc1"] = (ref["fc1"] * 0.25, None)
+    where = first_divergence_location(_GradsFailed(), _backward_probe(x, targets, grads, order), CASE)
+    assert where is not None and (where["phase"], where["module"], where["grad_of"], where["partial_over"]) == \
+        ("backward", "fc2", "act", [0, 1]), where
+    assert where["loss_scale"] == pytest.approx(0.5) and "partial sum over the tensor-parallel group" in where["line"]
+    # Rank 1's gradient of fc1's output is off by more than rounding: it departs, after act's.
+    grads = correct(1.0)
+    grads[1]["fc1"] = (grads[1]["fc1"][0] + 0.1 * grads[1]["fc1"][0].abs().max() * torch.randn_like(grads[1]["fc1"][0]), None)
+    where = first_divergence_location(_GradsFailed(), _backward_probe(x, targets, grads, order), CASE)
+    assert where is not None and (where["module"], where["grad_of"], where["rank"]) == ("act", "fc1", 1), where
+    assert "partial_over" not in where and "after the gradient of 'act'" in where["line"]
 
 
 # -- the op inside the module ----------------------------------------------------------------
@@ -212,6 +270,12 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     ("tests/custom_loops/vocab_parallel_padded_loss.py", "loss", "after norm", 0, None),
     # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
     ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
+    # a column-parallel layer whose input's gradient is never all-reduced (the "copy to the
+    # tensor-parallel region" without its backward): the forward and the loss match, the
+    # gradient of the norm's output is a partial sum - in the backward after 'blocks.1.up'
+    ("tests/custom_loops/tp_copy_grad_unreduced.py", "backward", "blocks.1.up", 0, None),
+    # a sampler never told the epoch: step 4 reads the reference's step-0 batch again
+    ("tests/custom_loops/no_set_epoch.py", "input", "<data>", None, None),
 ])
 def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache, tmp_path, target: str, phase: str,
                                                    module: str, rank: int | None, op: str) -> None:
@@ -224,11 +288,16 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
     assert f"where: {where[0]['line']}" in format_terminal(report)
     assert "where it departs" in render_html(report)
     assert json.loads(json.dumps(report.to_json()))["diagnoses"][0]["evidence"]["first_divergent_op"]["module"] == module
+    if phase == "backward":
+        assert (where[0]["grad_of"], where[0]["partial_over"]) == ("blocks.1.norm", [0, 1]), where[0]
+    if module == "<data>":
+        assert (where[0]["step"], where[0]["same_as_reference_step"]) == (4, 0) and "set_epoch" in where[0]["line"], where[0]
 
 
 @pytest.mark.parametrize("target", ["tests/custom_loops/tp_norm_on_local_shard.py:correct",
                                     "tests/custom_loops/vocab_parallel_padded_loss.py:correct",
-                                    "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded"])
+                                    "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
+                                    "tests/custom_loops/tp_copy_grad_unreduced.py:correct"])
 def test_the_right_versions_of_the_held_out_bugs_pass_without_a_location(rank_runner, reference_cache, tmp_path, target: str) -> None:
     report = diagnose_target(target, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
     assert report.verdict.verdict == "pass" and "first_divergent_op" not in json.dumps(report.to_json()), report.verdict.to_dict()

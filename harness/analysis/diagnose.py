@@ -239,7 +239,7 @@ class Analysis:
         from harness.analysis.divergence import first_divergence_location
 
         try:
-            where = first_divergence_location(self.cmp, self.probe, self.case)
+            where = first_divergence_location(self.cmp, self.probe, self.case, self.act, self.ref)
         except Exception as exc:  # noqa: BLE001 - a replay that fails must not hide the diagnosis
             self.cmp.notes.append(f"first divergence not located: {type(exc).__name__}: {exc}")
             return

@@ -41,7 +41,7 @@ import torch
 from reference.case import Case
 
 from harness.analysis.compare import CompareResult, TensorComparison
-from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_loss, reference_ops, reference_outputs
+from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_grads, reference_loss, reference_ops, reference_outputs
 from harness.record.probe import OUTPUT, OpCapture, ProbeData
 
 __all__ = ["first_divergence_location", "location_line"]
@@ -86,17 +86,20 @@ def _tp(entry: dict[str, Any]) -> tuple[int | None, list[int]]:
     return (int(coord) if coord is not None else None), group
 
 
-def _summed(held: list[Any], shape: torch.Size) -> torch.Tensor | None:
-    """The sum of the group's held values (captures or ops, each with an ``output``), or None
-    where the group is empty or one of them has no output of that shape."""
-    if not held or any(h is None or h.output is None or h.output.shape != shape for h in held):
+def _summed(held: list[Any], shape: torch.Size, value: str = "output") -> torch.Tensor | None:
+    """The sum of the group's held values (captures or ops; their ``output``, or another
+    attribute such as a capture's ``grad``), or None where the group is empty or one of them
+    has no such value of that shape."""
+    values = [getattr(h, value, None) if h is not None else None for h in held]
+    if not values or any(v is None or v.shape != shape for v in values):
         return None
-    return torch.stack([h.output for h in held]).sum(0)
+    return torch.stack(values).sum(0)
 
 
-def _group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, shape: torch.Size) -> torch.Tensor | None:
-    """The sum of module ``name``'s outputs over the ranks of ``group`` (:func:`_summed`)."""
-    return _summed([by_rank[r]["captures"].get(name) for r in group if r in by_rank], shape)
+def _group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, shape: torch.Size,
+               value: str = "output") -> torch.Tensor | None:
+    """The sum of module ``name``'s outputs (or their ``grad``) over the ranks of ``group`` (:func:`_summed`)."""
+    return _summed([by_rank[r]["captures"].get(name) for r in group if r in by_rank], shape, value)
 
 
 @dataclass
@@ -111,10 +114,11 @@ class _Judged:
     compared: str = "whole"
 
 
-def _judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, coord: int | None, group: list[int],
-           group_sum: Callable[[], torch.Tensor | None], rtol: float, atol: float) -> _Judged | None:
-    """Compare what a rank holds with the reference's value by its placement (module
-    docstring); None where the layout does not say how they correspond (not compared)."""
+def _corresponding(local: torch.Tensor, placements: str | None, expected: torch.Tensor, coord: int | None,
+                   group: list[int], group_sum: Callable[[], torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor, str, str] | None:
+    """(what the rank's value stands for, the reference's piece it must equal, how they
+    correspond, the placement kind) by the value's placement (module docstring); None where
+    the layout does not say how they correspond."""
     kind, dim = _placement_kind(placements)
     compared = "whole"
     if kind == "shard" or (kind == "plain" and local.shape != expected.shape):
@@ -137,6 +141,17 @@ def _judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, 
         local, compared = summed, f"sum over the tensor-parallel group {group}"
     elif kind == "other" or local.shape != expected.shape:
         return None
+    return local, expected, compared, kind
+
+
+def _judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, coord: int | None, group: list[int],
+           group_sum: Callable[[], torch.Tensor | None], rtol: float, atol: float) -> _Judged | None:
+    """Compare what a rank holds with the reference's value by its placement (module
+    docstring); None where the layout does not say how they correspond (not compared)."""
+    pieces = _corresponding(local, placements, expected, coord, group, group_sum)
+    if pieces is None:
+        return None
+    local, expected, compared, kind = pieces
     within, max_abs, max_rel = _difference(local, expected, rtol, atol)
     if within:
         return _Judged("partial" if kind == "partial" else "within", max_abs, max_rel, compared)
@@ -353,6 +368,58 @@ def _first_failing_step(comparison: CompareResult) -> tuple[int, list[TensorComp
     return step, [t for t in comparison.tensors if t.step == step]
 
 
+def _samples_location(comparison: CompareResult, actual: Any, reference: Any) -> dict[str, Any] | None:
+    """The first failing step's global batch - the samples its data-parallel replicas consumed,
+    one replica's ranks counted once - is another multiset of sample ids than the reference's
+    step of that number: the step departs before the model, in what it read (a sampler never
+    told the epoch, one that repeats or drops samples). The ids the replicas reported (run.loss,
+    the strategies' batches) against the reference's; where they are exactly another step's
+    batch of the reference, that step is named. Ranks of one replica that read different
+    samples are the forward's evidence (each rank's own batch is replayed), not this one."""
+    from collections import Counter
+
+    first = _first_failing_step(comparison)
+    if first is None or actual is None or reference is None:
+        return None
+    step = first[0]
+    wanted = {s.step: list(s.sample_ids) for s in getattr(reference, "steps", [])}
+    if not wanted.get(step):
+        return None
+    try:
+        held = actual.step(step)
+    except Exception:  # noqa: BLE001 - a record without that step: nothing to compare
+        return None
+    replica = {int(r["rank"]): int(r.get("dp_rank", r["rank"])) for r in actual.meta.get("ranks", []) or []}
+    by_replica: dict[int, list[int]] = {}
+    for rank, micro in sorted(held.rank_sample_ids.items()):
+        ids = [int(i) for m in micro for i in m]
+        if not ids:
+            continue  # a rank that consumed nothing itself (a pipeline stage without the data)
+        rep = replica.get(int(rank), int(rank))
+        if rep in by_replica and sorted(by_replica[rep]) != sorted(ids):
+            return None
+        by_replica.setdefault(rep, ids)
+    if not by_replica:
+        return None
+    got = Counter(i for ids in by_replica.values() for i in ids)
+    want = Counter(wanted[step])
+    if got == want:
+        return None
+    missing, extra = sorted((want - got).elements()), sorted((got - want).elements())
+    same_as = next((s for s, ids in sorted(wanted.items()) if s != step and Counter(ids) == got), None)
+    show = lambda ids: f"{ids[:6]}{'...' if len(ids) > 6 else ''}"  # noqa: E731
+    compared = (f"step {step}'s {sum(got.values())} samples over {len(by_replica)} replicas against the reference's "
+                f"{sum(want.values())}: {len(missing)} of the reference's missing {show(missing)}, {len(extra)} not in "
+                f"its step {show(extra)}")
+    found = {"phase": "input", "module": "<data>", "module_type": None, "op": None, "rank": None, "step": step,
+             "max_abs": float(len(missing) + len(extra)), "max_rel": (len(missing) + len(extra)) / max(1, 2 * sum(want.values())),
+             "tolerance": {"rtol": 0.0, "atol": 0.0, "of": "sample ids, exactly"}, "compared": compared,
+             "samples": {"missing": missing[:32], "extra": extra[:32]}}
+    if same_as is not None:
+        found["same_as_reference_step"] = same_as
+    return found
+
+
 def _input_location(probe: ProbeData, case: Case) -> dict[str, Any] | None:
     """A loop that reads its own batches fed the model something other than the samples it
     reported (run.loss's ids) in its first forward: an augmentation, noise, a wrong cast. The
@@ -442,6 +509,89 @@ def _optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any]
                         "parameters after the update do not"}
 
 
+def _activation_backward_location(comparison: CompareResult, probe: ProbeData | None, case: Case) -> dict[str, Any] | None:
+    """Step 0's loss matches and some of its gradients do not: the probed micro-batch's
+    backward on each rank against the reference's on the same inputs and targets, by the
+    gradients of the module outputs in the order they arrived (the model's output first). A
+    rank's loss weight (1/N, 1/micro-batches, a token share) scales all of them alike, so the
+    scale is fitted where the backward starts (the first gradient compared, the model's
+    output's) and every later one is compared with the reference's times that scale, by its
+    placement as the forward's outputs are. The first that departs is where the backward left
+    the reference: in the backward of what consumed that output, between the last gradient
+    that matched and it. A gradient of a whole (replicated) activation that matches only summed
+    over the tensor-parallel group is a partial sum no all-reduce completed: every backward is
+    linear in its incoming gradient, so it stays partial upstream and never "departs" by
+    itself; the first such gradient is the location. A scale or sync bug after the backward
+    leaves every activation gradient right: no location from here."""
+    first_step = _first_failing_step(comparison)
+    if probe is None or first_step is None or first_step[0] != 0:
+        return None
+    step, at_step = first_step
+    if any(t.kind == "loss" and not t.passed for t in at_step) or not any(t.kind == "grad" and not t.passed for t in at_step):
+        return None
+    rtol, atol = _tolerance(case.dtype)
+    by_rank = {r["rank"]: r for r in probe.ranks}
+    first: dict[str, Any] | None = None
+    for rank, entry in sorted(by_rank.items()):
+        order = entry.get("grad_order") or []
+        if not order or entry["input"] is None or entry["stages"] not in (None, [0]):
+            continue
+        ref = reference_grads(probe, rank, case)
+        if not ref:
+            continue
+        coord, group = _tp(entry)
+        scale: float | None = None
+        last_within = None
+        for position, name in enumerate(order):
+            cap = entry["captures"].get(name)
+            if name not in ref or cap is None or cap.grad is None:
+                continue
+
+            def group_sum(name: str = name, cap: Any = cap) -> torch.Tensor | None:
+                return _group_sum(by_rank, group, name, cap.grad.shape, "grad")
+
+            if scale is None:
+                pieces = _corresponding(cap.grad, cap.grad_placements, ref[name], coord, group, group_sum)
+                if pieces is None:
+                    continue
+                held, expected = pieces[0].double(), pieces[1].double()
+                norm = float((expected * expected).sum())
+                if norm == 0.0:
+                    break  # no gradient reaches this rank's output (it computes no loss)
+                scale = float((held * expected).sum()) / norm
+            judged = _judge(cap.grad, cap.grad_placements, ref[name] * scale, coord, group, group_sum, rtol, atol)
+            if judged is None:
+                continue
+            declared_partial = _placement_kind(cap.grad_placements)[0] == "partial"
+            if judged.status == "within" or (judged.status == "partial" and declared_partial):
+                # The model's output is often its last module's output too (one tensor, two
+                # names): the module names where the backward is.
+                last_within = name if name != OUTPUT or last_within is None else last_within
+                continue
+            if first is not None and position >= first["position"]:
+                break
+            # None: the very first gradient compared is not the reference's up to a scale - the
+            # loss's own backward departs.
+            after = "<loss>" if last_within is None else "<model output>" if last_within == OUTPUT else last_within
+            found = {"phase": "backward", "module": after, "module_type": None, "op": None, "rank": rank, "step": 0,
+                     "grad_of": "<model output>" if name == OUTPUT else name, "max_abs": judged.max_abs,
+                     "max_rel": judged.max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference gradient|"},
+                     "compared": f"{judged.compared}, against the reference's times {scale:.6g} (this rank's loss weight, "
+                                 "fitted where its backward starts)",
+                     "loss_scale": scale, "position": position, "activation": True}
+            held_module = entry["captures"].get(after)
+            if held_module is not None:
+                found["module_type"] = held_module.module_type
+            if judged.status == "partial":
+                found["partial_over"] = group
+            first = found
+            break
+    if first is None:
+        return None
+    first.pop("position")
+    return first
+
+
 def _backward_location(comparison: CompareResult) -> dict[str, Any] | None:
     """The first failing step's loss matches and only some of its gradients do not: the first
     failing one in backward order (the record's parameter order reversed: the last module's
@@ -466,11 +616,18 @@ def _backward_location(comparison: CompareResult) -> dict[str, Any] | None:
                         "gradients in backward order"}
 
 
-def first_divergence_location(comparison: CompareResult | None, probe: ProbeData | None, case: Case | None) -> dict[str, Any] | None:
-    """Where a failed run departs (module docstring), or None: a passed run, or no evidence."""
+def first_divergence_location(comparison: CompareResult | None, probe: ProbeData | None, case: Case | None,
+                              actual: Any = None, reference: Any = None) -> dict[str, Any] | None:
+    """Where a failed run departs (module docstring), or None: a passed run, or no evidence.
+    ``actual`` and ``reference`` (the run's and the reference's records) give each step's
+    sample ids."""
     if comparison is None or comparison.passed or case is None:
         return None
     matched: list[str] = []
+    found = _samples_location(comparison, actual, reference)
+    if found is not None:
+        found["line"] = location_line(found)
+        return found
     if probe is not None:
         found = _input_location(probe, case)
         if found is not None:
@@ -480,7 +637,8 @@ def first_divergence_location(comparison: CompareResult | None, probe: ProbeData
         if found is not None:
             found["line"] = location_line(found)
             return found
-    found = _loss_location(comparison, probe, case, matched) or _optimizer_location(comparison, case) or _backward_location(comparison)
+    found = (_loss_location(comparison, probe, case, matched) or _optimizer_location(comparison, case)
+             or _activation_backward_location(comparison, probe, case) or _backward_location(comparison))
     if found is not None:
         found["line"] = location_line(found)
     return found
@@ -491,6 +649,13 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc["phase"] == "optimizer":
         return (f"departs in the optimizer step of step {loc['step']} ({loc['op']}): {loc['compared']}; first "
                 f"{loc['module']!r} (max abs {loc['max_abs']:.3g})")
+    if loc["phase"] == "input" and loc["module"] == "<data>":
+        again = ""
+        if loc.get("same_as_reference_step") is not None:
+            again = (f"; they are exactly the reference's step {loc['same_as_reference_step']} batch (an epoch order "
+                     "repeated: is the sampler's set_epoch called?)" if loc["same_as_reference_step"] < loc["step"] else
+                     f"; they are exactly the reference's step {loc['same_as_reference_step']} batch")
+        return f"departs before the model, in the samples it read, at step {loc['step']}: {loc['compared']}{again}"
     if loc["phase"] == "input":
         return (f"departs before the model, in its input, at step 0 on rank {loc['rank']}: {loc['compared']} differ by "
                 f"max abs {loc['max_abs']:.3g} (an augmentation, noise or cast applied to the batch)")
@@ -498,6 +663,19 @@ def location_line(loc: dict[str, Any]) -> str:
         where = "in the loss computation after the model's forward" if loc.get("model_output_compared") else \
             f"between {loc['module'].removeprefix('after ')!r} and the loss (the model's output itself could not be compared)"
         return f"departs {where} at step 0 on rank {loc['rank']}: {loc['compared']}"
+    if loc["phase"] == "backward" and loc.get("activation"):
+        if loc["module"] == "<loss>":
+            return (f"departs in the backward of step 0 on rank {loc['rank']}, in the loss's own backward: the gradient "
+                    f"of {loc['grad_of']!r}'s output is not the reference's up to a scale (max abs {loc['max_abs']:.3g}), "
+                    f"compared with the reference's {loc['compared']}")
+        after = "the model's output" if loc["module"] == "<model output>" else repr(loc["module"])
+        what = (f"is a partial sum over the tensor-parallel group {loc['partial_over']} (the reference's only summed): "
+                "an all-reduce of the backward is missing there" if loc.get("partial_over") else
+                f"departs by max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of its largest value; allowed rtol "
+                f"{loc['tolerance']['rtol']:.3g}, atol {loc['tolerance']['atol']:.3g} of it)")
+        return (f"departs in the backward of step 0 on rank {loc['rank']}, after the gradient of {after}'s output (it "
+                f"matches): the gradient of {loc['grad_of']!r}'s output {what}, compared with the reference's "
+                f"{loc['compared']}")
     if loc["phase"] == "backward":
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")

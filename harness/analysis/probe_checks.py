@@ -15,40 +15,48 @@ from typing import Any
 
 import torch
 
-from reference.case import Case, tensors_in
+from reference.case import Case, map_tensors, tensors_in
 
 from harness.codes import Diagnosis
 from harness.record.probe import OUTPUT, OpCapture, ProbeData, module_outputs, op_log
 
-__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_loss", "reference_ops", "reference_outputs"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_grads", "reference_loss", "reference_ops", "reference_outputs"]
 
 # The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
 # ranks moves values by ulps of their magnitude, a bug by orders more.
 PROBE_RTOL, PROBE_ATOL = 2e-3, 2e-4
 
 
-def _replay_reference(case: Case, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[OpCapture], Any]:
-    """The reference model's module outputs, op log (:func:`harness.record.probe.op_log`) and
-    output of one forward on ``x`` (same weights, same step-0 state, the case's seed for dropout)."""
+def _replay_reference(case: Case, x: Any, targets: Any = None) -> tuple[dict[str, torch.Tensor], list[OpCapture], Any, dict[str, torch.Tensor]]:
+    """The reference model's module outputs, op log (:func:`harness.record.probe.op_log`),
+    output of one forward on ``x`` (same weights, same step-0 state, the case's seed for
+    dropout) and - with ``targets`` - each module output's gradient in the backward of the
+    case's loss on them (unweighted: a rank's loss weight scales every one of its activation
+    gradients alike), in the order they arrived."""
     model = case.build_model("cpu")
+    grads: dict[str, torch.Tensor] = {}
 
     def forward() -> Any:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(case.seed)
             return case.call_model(model, x)
 
-    ops, (outs, output) = op_log(model, lambda: module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT))
-    return outs, ops, output
-
-
-def _reference_outputs(case: Case, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    return _replay_reference(case, x)[0]
+    with torch.set_grad_enabled(targets is not None):
+        ops, (outs, output) = op_log(model, lambda: module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT,
+                                                                     grads=grads if targets is not None else None))
+        if targets is not None:
+            try:
+                case.compute_loss(output, targets).backward()
+            except Exception:  # noqa: BLE001 - an output the loss cannot take: no backward to compare
+                grads.clear()
+    return outs, ops, map_tensors(lambda t: t.detach(), output), grads
 
 
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:
     if rank not in data.references:
-        x = next(r for r in data.ranks if r["rank"] == rank)["input"]
-        data.references[rank], data.reference_ops[rank], data.reference_results[rank] = _replay_reference(case, x)
+        entry = next(r for r in data.ranks if r["rank"] == rank)
+        (data.references[rank], data.reference_ops[rank], data.reference_results[rank],
+         data.reference_grads[rank]) = _replay_reference(case, entry["input"], entry.get("targets"))
 
 
 def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
@@ -61,6 +69,13 @@ def reference_ops(data: ProbeData, rank: int, case: Case) -> list[OpCapture]:
     """The reference's op log on ``rank``'s captured input (the same replay)."""
     _replayed(data, rank, case)
     return data.reference_ops[rank]
+
+
+def reference_grads(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
+    """The reference's module-output gradients on ``rank``'s probed micro-batch, in arrival
+    order (the same replay); empty without targets."""
+    _replayed(data, rank, case)
+    return data.reference_grads[rank]
 
 
 def reference_loss(data: ProbeData, rank: int, case: Case) -> torch.Tensor | None:

@@ -68,13 +68,26 @@ def first_tensor(value: Any) -> Any:
 
 
 def module_outputs(
-    model: nn.Module, call: Any, *, dtype: torch.dtype, whole: str | None = None
+    model: nn.Module, call: Any, *, dtype: torch.dtype, whole: str | None = None,
+    grads: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Each named submodule's first activation (:func:`first_tensor`) of one forward,
     ``call()``, detached and cast to ``dtype``; with ``whole``, the model's own output under
-    that name too. Returns the activations and what ``call`` returned."""
+    that name too. With ``grads``, each of those activations that requires grad gets a hook
+    that keeps its gradient there (in the order they arrive) when a backward runs through it.
+    Returns the activations and what ``call`` returned."""
     outs: dict[str, torch.Tensor] = {}
     handles = []
+
+    def keep(name: str, t: torch.Tensor) -> None:
+        outs[name] = t.detach().to(dtype).clone()
+        if grads is not None and t.requires_grad:
+
+            def grad_hook(g: torch.Tensor) -> None:
+                grads.setdefault(name, g.detach().to(dtype).clone())
+
+            t.register_hook(grad_hook)
+
     for name, module in model.named_modules():
         if not name:
             continue
@@ -82,15 +95,15 @@ def module_outputs(
         def hook(module: nn.Module, args: tuple, output: Any, name: str = name) -> None:
             t = first_tensor(output)
             if t is not None and name not in outs:
-                outs[name] = t.detach().to(dtype).clone()
+                keep(name, t)
 
         handles.append(module.register_forward_hook(hook))
     if whole is not None:
 
         def whole_hook(module: nn.Module, args: tuple, output: Any) -> None:
             t = first_tensor(output)
-            if t is not None:
-                outs.setdefault(whole, t.detach().to(dtype).clone())
+            if t is not None and whole not in outs:
+                keep(whole, t)
 
         handles.append(model.register_forward_hook(whole_hook))
     try:
@@ -219,6 +232,10 @@ class Capture:
     replicated: bool = True  # a DTensor output whose placements are all Replicate, or a plain tensor
     input: torch.Tensor | None = None  # kept for dropout modules only
     p: float | None = None  # dropout probability
+    # The gradient of the output in this rank's backward (the local tensor) and its placements:
+    # where a backward departs, compared with the reference's (harness.analysis.divergence).
+    grad: torch.Tensor | None = None
+    grad_placements: str | None = None
 
 
 class ActivationProbe:
@@ -239,6 +256,7 @@ class ActivationProbe:
         # loop with its own loader): an input that is not those samples departs before the model.
         self.expected_input: Any = None
         self.ops: list[OpCapture] = []  # the first forward's op log (a single model only)
+        self.grad_order: list[str] = []  # modules whose output's gradient arrived, in backward order
         self._handles: list[Any] = []
         self._stack: list[str] = []
         self._log: OpLog | None = None
@@ -312,6 +330,29 @@ class ActivationProbe:
                 cap.p = float(module.p)
             self.captures[name] = cap
             self.order.append(name)
+            original = first_tensor(output)
+            if original is not None and original.requires_grad and torch.is_grad_enabled():
+                original.register_hook(self._grad_hook(name, cap))
+
+        return hook
+
+    def _grad_hook(self, name: str, cap: Capture) -> Callable[[torch.Tensor], None]:
+        """A tensor hook that keeps the first gradient of ``name``'s output (its arrival order
+        too); it never changes the gradient nor fails the user's backward."""
+
+        def hook(grad: torch.Tensor) -> None:
+            if cap.grad is not None:
+                return
+            try:
+                placements = None
+                if is_dtensor(grad):
+                    placements = str(tuple(grad.placements))
+                    grad = grad.to_local()
+                if grad.numel() <= self.max_numel:
+                    cap.grad, cap.grad_placements = grad.detach().float().cpu().clone(), placements
+                    self.grad_order.append(name)
+            except Exception:  # noqa: BLE001 - a gradient the probe cannot copy is skipped
+                pass
 
         return hook
 
@@ -391,6 +432,7 @@ class ProbeData:
     references: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     reference_ops: dict[int, list[OpCapture]] = field(default_factory=dict, repr=False)
     reference_results: dict[int, Any] = field(default_factory=dict, repr=False)  # what the replayed forward returned
+    reference_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)  # module-output gradients
 
 
 def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -417,7 +459,9 @@ def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[
         "expected_input": probe.expected_input,
         "order": probe.order if value is None else list(probe.order),
         "captures": probe.captures if value is None else {
-            name: dataclasses.replace(cap, output=of(cap.output), input=of(cap.input)) for name, cap in probe.captures.items()},
+            name: dataclasses.replace(cap, output=of(cap.output), input=of(cap.input), grad=of(cap.grad))
+            for name, cap in probe.captures.items()},
+        "grad_order": list(probe.grad_order),
         "ops": probe.ops if value is None else [dataclasses.replace(op, output=of(op.output)) for op in probe.ops],
     }
 
