@@ -127,7 +127,7 @@ def _backward_probe(x: torch.Tensor, targets: torch.Tensor, grads: dict[int, dic
 
 def test_the_backward_is_located_by_its_activation_gradients_up_to_the_ranks_loss_weight() -> None:
     x, targets = torch.randn(4, 8), torch.randn(4, 4)
-    _, _, _, ref = _replay_reference(CASE, x, targets)
+    ref = _replay_reference(CASE, x, targets).grads
     order = list(ref)
     assert order[0] in (OUTPUT, "fc2") and order.index("fc2") < order.index("act") < order.index("fc1"), order
 
@@ -138,15 +138,23 @@ def test_the_backward_is_located_by_its_activation_gradients_up_to_the_ranks_los
                 for rank in (0, 1)}
 
     assert first_divergence_location(_GradsFailed(), _backward_probe(x, targets, correct(0.5), order), CASE) is None
-    # The gradient of fc2's input (act's output) halved on each rank: a sum no all-reduce completed.
+    # The gradient of fc2's input (act's output) split over the ranks (each rank's share of a
+    # row-parallel backward): a sum no all-reduce completed.
     grads = correct(0.5)
-    for rank in (0, 1):
-        grads[rank]["act"] = (ref["act"] * 0.25, None)
-        grads[rank]["fc1"] = (ref["fc1"] * 0.25, None)
+    for rank, share in ((0, 0.3), (1, 0.7)):
+        grads[rank]["act"] = (ref["act"] * 0.5 * share, None)
+        grads[rank]["fc1"] = (ref["fc1"] * 0.5 * share, None)
     where = first_divergence_location(_GradsFailed(), _backward_probe(x, targets, grads, order), CASE)
     assert where is not None and (where["phase"], where["module"], where["grad_of"], where["partial_over"]) == \
         ("backward", "fc2", "act", [0, 1]), where
     assert where["loss_scale"] == pytest.approx(0.5) and "partial sum over the tensor-parallel group" in where["line"]
+    # The same sum averaged instead: each rank holds the same half - not a piece awaiting its
+    # all-reduce but a value scaled by 1/N, which departs.
+    for rank in (0, 1):
+        grads[rank]["act"] = (ref["act"] * 0.25, None)
+    where = first_divergence_location(_GradsFailed(), _backward_probe(x, targets, grads, order), CASE)
+    assert where is not None and (where["module"], where["grad_of"]) == ("fc2", "act") and "partial_over" not in where, where
+    assert "holds 1/2 of it" in where["compared"]
     # Rank 1's gradient of fc1's output is off by more than rounding: it departs, after act's.
     grads = correct(1.0)
     grads[1]["fc1"] = (grads[1]["fc1"][0] + 0.1 * grads[1]["fc1"][0].abs().max() * torch.randn_like(grads[1]["fc1"][0]), None)
@@ -273,7 +281,11 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     # a column-parallel layer whose input's gradient is never all-reduced (the "copy to the
     # tensor-parallel region" without its backward): the forward and the loss match, the
     # gradient of the norm's output is a partial sum - in the backward after 'blocks.1.up'
-    ("tests/custom_loops/tp_copy_grad_unreduced.py", "backward", "blocks.1.up", 0, None),
+    # (the node: the hand-written Function's backward that passed the partial sum on)
+    ("tests/custom_loops/tp_copy_grad_unreduced.py", "backward", "blocks.1.up", 0, "_CopyToRegionBackward"),
+    # the same Function averaging over the group where it must sum: every rank holds half the
+    # gradient - a departure at that node, which the reference has no counterpart of
+    ("tests/custom_loops/tp_copy_grad_unreduced.py:averaged", "backward", "blocks.1.up", 0, "_CopyToRegionBackward"),
     # a sampler never told the epoch: step 4 reads the reference's step-0 batch again
     ("tests/custom_loops/no_set_epoch.py", "input", "<data>", None, None),
 ])
@@ -288,8 +300,12 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
     assert f"where: {where[0]['line']}" in format_terminal(report)
     assert "where it departs" in render_html(report)
     assert json.loads(json.dumps(report.to_json()))["diagnoses"][0]["evidence"]["first_divergent_op"]["module"] == module
-    if phase == "backward":
-        assert (where[0]["grad_of"], where[0]["partial_over"]) == ("blocks.1.norm", [0, 1]), where[0]
+    if phase == "backward" and target.endswith(":averaged"):
+        assert (where[0]["grad_of"], where[0]["unpaired"]) == ("blocks.1.norm", True) and "partial_over" not in where[0], where[0]
+        assert report.codes == ["numeric-mismatch"], report.codes
+    elif phase == "backward":
+        assert (where[0]["grad_of"], where[0]["partial_over"], where[0]["partial_from"]) == \
+            ("blocks.1.norm", [0, 1], "AddmmBackward0"), where[0]
     if module == "<data>":
         assert (where[0]["step"], where[0]["same_as_reference_step"]) == (4, 0) and "set_epoch" in where[0]["line"], where[0]
 

@@ -41,8 +41,8 @@ import torch
 from reference.case import Case
 
 from harness.analysis.compare import CompareResult, TensorComparison
-from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_grads, reference_loss, reference_ops, reference_outputs
-from harness.record.probe import OUTPUT, OpCapture, ProbeData
+from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_backward, reference_grads, reference_loss, reference_ops, reference_outputs
+from harness.record.probe import GRAD_MARKER, OUTPUT, OpCapture, ProbeData
 
 __all__ = ["first_divergence_location", "location_line"]
 
@@ -541,7 +541,7 @@ def _activation_backward_location(comparison: CompareResult, probe: ProbeData | 
             continue
         coord, group = _tp(entry)
         scale: float | None = None
-        last_within = None
+        last_within: str | None = None
         for position, name in enumerate(order):
             cap = entry["captures"].get(name)
             if name not in ref or cap is None or cap.grad is None:
@@ -563,6 +563,10 @@ def _activation_backward_location(comparison: CompareResult, probe: ProbeData | 
             if judged is None:
                 continue
             declared_partial = _placement_kind(cap.grad_placements)[0] == "partial"
+            if judged.status == "partial" and not declared_partial and _same_on_every_rank(cap.grad, group_sum(), group, rtol, atol):
+                # Every rank holds the same 1/N of the reference's: not a split awaiting its
+                # all-reduce but a value scaled where it should not be (averaged, not summed).
+                judged = _Judged("departs", judged.max_abs, judged.max_rel, f"whole (every rank of {group} holds 1/{len(group)} of it)")
             if judged.status == "within" or (judged.status == "partial" and declared_partial):
                 # The model's output is often its last module's output too (one tensor, two
                 # names): the module names where the backward is.
@@ -584,12 +588,91 @@ def _activation_backward_location(comparison: CompareResult, probe: ProbeData | 
                 found["module_type"] = held_module.module_type
             if judged.status == "partial":
                 found["partial_over"] = group
+            try:
+                node = _backward_op(probe, case, rank, last_within, name, partial=judged.status == "partial",
+                                    scale=scale, rtol=rtol, atol=atol)
+                if "max_abs" in node:
+                    found["module_max_abs"] = found["max_abs"]
+                found.update(node)
+            except Exception as exc:  # noqa: BLE001 - the stretch of modules is evidence enough without its node
+                found["op_note"] = f"the node of the backward was not located: {type(exc).__name__}: {exc}"
             first = found
             break
     if first is None:
         return None
     first.pop("position")
     return first
+
+
+def _same_on_every_rank(local: torch.Tensor, summed: torch.Tensor | None, group: list[int], rtol: float, atol: float) -> bool:
+    """This rank's value equals the group's mean: with the group's sum right, each rank holds
+    the same share (a whole scaled by 1/N), not a piece of a sum."""
+    return summed is not None and len(group) > 1 and _difference(local, summed / len(group), rtol, atol)[0]
+
+
+def _stretch(events: list[OpCapture], after: str | None, until: str) -> list[OpCapture] | None:
+    """The nodes of a backward log between the arrival of ``after``'s output gradient (None:
+    the start) and ``until``'s; None where a marker is missing."""
+    marks = {e.module: i for i, e in reversed(list(enumerate(events))) if e.op == GRAD_MARKER}
+    if until not in marks or (after is not None and after not in marks):
+        return None
+    start = marks[after] + 1 if after is not None else 0
+    return [e for e in events[start:marks[until]] if e.op != GRAD_MARKER]
+
+
+def _backward_op(probe: ProbeData, case: Case, rank: int, after: str | None, until: str, *, partial: bool, scale: float,
+                 rtol: float, atol: float) -> dict[str, Any]:
+    """The autograd node where the backward departs, between the gradients of ``after``'s and
+    ``until``'s outputs: the rank's nodes there (:class:`harness.record.probe.BackwardLog`)
+    aligned with the reference's by name as the forward's ops are, each node's gradient along
+    the activation path compared with the reference's times ``scale``, by its placement. For a
+    departure, the first node beyond the rule; for a partial sum, the node where the gradient
+    first matches only summed over the group, and the last node of the stretch, which passed
+    it on unreduced."""
+    by_rank = {r["rank"]: r for r in probe.ranks}
+    entry = by_rank[rank]
+    held = _stretch(entry.get("backward_ops") or [], after, until)
+    ref = _stretch(reference_backward(probe, rank, case), after, until)
+    if not held or ref is None:
+        return {"op_note": "no backward node log of this stretch"}
+    coord, group = _tp(entry)
+    peers = {r: _keyed(by_rank[r].get("backward_ops") or []) for r in group if r in by_rank}
+    keys = {id(o): k for k, o in _keyed(entry.get("backward_ops") or []).items()}
+
+    def peer_sum(op: OpCapture) -> torch.Tensor | None:
+        return _summed([peers[r].get(keys[id(op)]) for r in group if r in peers], op.output.shape)
+
+    rows: list[dict[str, Any]] = []
+    partial_at: OpCapture | None = None
+    for mine, theirs, how in _aligned(held, ref):
+        judged = _judge(mine.output, mine.placements, theirs.output * scale, coord, group, lambda: peer_sum(mine), rtol, atol)
+        if judged is None:
+            continue
+        if judged.status == "partial" and _placement_kind(mine.placements)[0] != "partial" and \
+                _same_on_every_rank(mine.output, peer_sum(mine), group, rtol, atol):
+            judged = _Judged("departs", judged.max_abs, judged.max_rel, f"whole (every rank of {group} holds 1/{len(group)} of it)")
+        rows.append({"op": mine.op, "module": f"backward after {after or 'the loss'}", "reference_op": theirs.op,
+                     "status": judged.status, "max_abs": judged.max_abs, "compared": judged.compared, "aligned": how})
+        if judged.status == "departs" and not partial:
+            return {"op": mine.op, "op_module": until, "op_placements": mine.placements, "ops_compared": len(rows),
+                    "op_rows": rows[-12:], "max_abs": judged.max_abs, "max_rel": judged.max_rel,
+                    "compared": f"{judged.compared}, against the reference's {theirs.op} times {scale:.6g}; node aligned {how}"}
+        if judged.status == "partial" and partial and partial_at is None and _placement_kind(mine.placements)[0] != "partial":
+            partial_at = mine
+    if partial and partial_at is not None:
+        last = held[-1]
+        return {"op": last.op, "op_module": until, "op_placements": last.placements, "ops_compared": len(rows),
+                "op_rows": rows[-12:], "partial_from": partial_at.op,
+                "passed_unreduced": [o.op for o in held[held.index(partial_at) + 1:]]}
+    paired = {id(mine) for mine, _, _ in _aligned(held, ref)}
+    if not partial and id(held[-1]) not in paired:
+        # Every node aligned with the reference's matches (or is a partial sum on its way), and
+        # the stretch's gradient departs: the node that produced it, one the reference has no
+        # counterpart of (a hand-written Function's backward), is where.
+        return {"op": held[-1].op, "op_module": until, "op_placements": held[-1].placements, "ops_compared": len(rows),
+                "op_rows": rows[-12:], "unpaired": True}
+    return {"op_note": f"no single node of the backward between {after or 'the loss'!r} and {until!r} departs by itself "
+                       f"({len(rows)} compared)"}
 
 
 def _backward_location(comparison: CompareResult) -> dict[str, Any] | None:
@@ -673,9 +756,20 @@ def location_line(loc: dict[str, Any]) -> str:
                 "an all-reduce of the backward is missing there" if loc.get("partial_over") else
                 f"departs by max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of its largest value; allowed rtol "
                 f"{loc['tolerance']['rtol']:.3g}, atol {loc['tolerance']['atol']:.3g} of it)")
+        node = ""
+        if loc.get("op") and loc.get("partial_from"):
+            through = f", then through {', '.join(loc['passed_unreduced'])}" if loc.get("passed_unreduced") else ""
+            node = f"; the gradient is a partial sum from node {loc['partial_from']} on{through}: {loc['op']} passes it on unreduced"
+        elif loc.get("op") and loc.get("unpaired"):
+            node = (f"; every node aligned with the reference's matches, and {loc['op']} (the reference has no such node) "
+                    "produced the departing gradient")
+        elif loc.get("op"):
+            node = f"; the first node beyond the rule: {loc['op']}"
+        elif loc.get("op_note"):
+            node = f" ({loc['op_note']})"
         return (f"departs in the backward of step 0 on rank {loc['rank']}, after the gradient of {after}'s output (it "
                 f"matches): the gradient of {loc['grad_of']!r}'s output {what}, compared with the reference's "
-                f"{loc['compared']}")
+                f"{loc['compared']}{node}")
     if loc["phase"] == "backward":
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")

@@ -11,30 +11,41 @@ with what the ranks captured (:mod:`harness.record.probe` records them):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from reference.case import Case, map_tensors, tensors_in
 
 from harness.codes import Diagnosis
-from harness.record.probe import OUTPUT, OpCapture, ProbeData, module_outputs, op_log
+from harness.record.probe import OUTPUT, BackwardLog, OpCapture, ProbeData, module_outputs, op_log
 
-__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_grads", "reference_loss", "reference_ops", "reference_outputs"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_backward", "reference_grads", "reference_loss", "reference_ops", "reference_outputs"]
 
 # The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
 # ranks moves values by ulps of their magnitude, a bug by orders more.
 PROBE_RTOL, PROBE_ATOL = 2e-3, 2e-4
 
 
-def _replay_reference(case: Case, x: Any, targets: Any = None) -> tuple[dict[str, torch.Tensor], list[OpCapture], Any, dict[str, torch.Tensor]]:
+class Replay(NamedTuple):
+    """The reference's forward (and backward) on one rank's probed micro-batch."""
+
+    outputs: dict[str, torch.Tensor]  # module outputs by name
+    ops: list[OpCapture]  # the forward's op log
+    output: Any  # what the forward returned, detached
+    grads: dict[str, torch.Tensor]  # module outputs' gradients, in arrival order (empty without targets)
+    backward: list[OpCapture]  # the backward's node log with the gradients' arrival markers (BackwardLog)
+
+
+def _replay_reference(case: Case, x: Any, targets: Any = None) -> Replay:
     """The reference model's module outputs, op log (:func:`harness.record.probe.op_log`),
     output of one forward on ``x`` (same weights, same step-0 state, the case's seed for
     dropout) and - with ``targets`` - each module output's gradient in the backward of the
     case's loss on them (unweighted: a rank's loss weight scales every one of its activation
-    gradients alike), in the order they arrived."""
+    gradients alike), in the order they arrived, with that backward's node log."""
     model = case.build_model("cpu")
     grads: dict[str, torch.Tensor] = {}
+    backward = BackwardLog()
 
     def forward() -> Any:
         with torch.random.fork_rng(devices=[]):
@@ -43,39 +54,46 @@ def _replay_reference(case: Case, x: Any, targets: Any = None) -> tuple[dict[str
 
     with torch.set_grad_enabled(targets is not None):
         ops, (outs, output) = op_log(model, lambda: module_outputs(model, forward, dtype=torch.float32, whole=OUTPUT,
-                                                                     grads=grads if targets is not None else None))
+                                                                     grads=grads if targets is not None else None,
+                                                                     backward=backward if targets is not None else None))
         if targets is not None:
             try:
                 case.compute_loss(output, targets).backward()
             except Exception:  # noqa: BLE001 - an output the loss cannot take: no backward to compare
                 grads.clear()
-    return outs, ops, map_tensors(lambda t: t.detach(), output), grads
+                backward.events.clear()
+    return Replay(outs, ops, map_tensors(lambda t: t.detach(), output), grads, backward.events)
 
 
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:
-    if rank not in data.references:
+    if rank not in data.replays:
         entry = next(r for r in data.ranks if r["rank"] == rank)
-        (data.references[rank], data.reference_ops[rank], data.reference_results[rank],
-         data.reference_grads[rank]) = _replay_reference(case, entry["input"], entry.get("targets"))
+        data.replays[rank] = _replay_reference(case, entry["input"], entry.get("targets"))
 
 
 def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
     """The reference's module outputs on ``rank``'s captured input, replayed once per probe."""
     _replayed(data, rank, case)
-    return data.references[rank]
+    return data.replays[rank].outputs
 
 
 def reference_ops(data: ProbeData, rank: int, case: Case) -> list[OpCapture]:
     """The reference's op log on ``rank``'s captured input (the same replay)."""
     _replayed(data, rank, case)
-    return data.reference_ops[rank]
+    return data.replays[rank].ops
 
 
 def reference_grads(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:
     """The reference's module-output gradients on ``rank``'s probed micro-batch, in arrival
     order (the same replay); empty without targets."""
     _replayed(data, rank, case)
-    return data.reference_grads[rank]
+    return data.replays[rank].grads
+
+
+def reference_backward(data: ProbeData, rank: int, case: Case) -> list[OpCapture]:
+    """The reference's backward node log on ``rank``'s probed micro-batch (the same replay)."""
+    _replayed(data, rank, case)
+    return data.replays[rank].backward
 
 
 def reference_loss(data: ProbeData, rank: int, case: Case) -> torch.Tensor | None:
@@ -86,7 +104,7 @@ def reference_loss(data: ProbeData, rank: int, case: Case) -> torch.Tensor | Non
         return None
     _replayed(data, rank, case)  # the same replay's output: one forward per rank for every check
     with torch.no_grad():
-        return case.compute_loss(data.reference_results[rank], entry["targets"]).detach().float()
+        return case.compute_loss(data.replays[rank].output, entry["targets"]).detach().float()
 
 
 def _same_values(a: Any, b: Any) -> bool:

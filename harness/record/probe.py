@@ -39,7 +39,7 @@ from reference.case import Batch, Case, map_tensors
 
 from harness.record.gather import reference_name
 
-__all__ = ["OUTPUT", "ActivationProbe", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "op_log", "probe_entry"]
+__all__ = ["GRAD_MARKER", "OUTPUT", "ActivationProbe", "BackwardLog", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "op_log", "probe_entry"]
 
 OUTPUT = "<output>"  # capture name of the whole model's output
 
@@ -69,13 +69,14 @@ def first_tensor(value: Any) -> Any:
 
 def module_outputs(
     model: nn.Module, call: Any, *, dtype: torch.dtype, whole: str | None = None,
-    grads: dict[str, torch.Tensor] | None = None,
+    grads: dict[str, torch.Tensor] | None = None, backward: "BackwardLog | None" = None,
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Each named submodule's first activation (:func:`first_tensor`) of one forward,
     ``call()``, detached and cast to ``dtype``; with ``whole``, the model's own output under
     that name too. With ``grads``, each of those activations that requires grad gets a hook
-    that keeps its gradient there (in the order they arrive) when a backward runs through it.
-    Returns the activations and what ``call`` returned."""
+    that keeps its gradient there (in the order they arrive) when a backward runs through it,
+    and - with ``backward`` - marks its arrival in that log, which is attached to the model's
+    output. Returns the activations and what ``call`` returned."""
     outs: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -84,6 +85,8 @@ def module_outputs(
         if grads is not None and t.requires_grad:
 
             def grad_hook(g: torch.Tensor) -> None:
+                if name not in grads and backward is not None:
+                    backward.marker(name)
                 grads.setdefault(name, g.detach().to(dtype).clone())
 
             t.register_hook(grad_hook)
@@ -104,6 +107,8 @@ def module_outputs(
             t = first_tensor(output)
             if t is not None and whole not in outs:
                 keep(whole, t)
+                if backward is not None and grads is not None and t.requires_grad:
+                    backward.attach(t)
 
         handles.append(model.register_forward_hook(whole_hook))
     try:
@@ -224,6 +229,70 @@ def op_log(model: nn.Module, call: Any) -> tuple[list[OpCapture], Any]:
     return log.ops, result
 
 
+GRAD_MARKER = "<gradient of the output>"  # a BackwardLog event: module ``module``'s output gradient arrived
+
+
+class BackwardLog:
+    """The backward of one forward, node by node: a post-hook on every autograd node reachable
+    from the output keeps the gradient it passes on along the activation path (to an input
+    that is not a parameter), as an :class:`OpCapture` named by the node (``AddmmBackward0``,
+    a custom Function's ``...Backward``); :meth:`marker` puts in the arrival of a module
+    output's gradient, so that a stretch between two modules' gradients can be aligned with
+    the reference's. No autograd node is changed: the hooks return nothing. The first call of
+    each node only (a second backward through a retained graph is not logged); nodes over
+    ``max_nodes``, and outputs once ``budget`` elements are kept, are skipped."""
+
+    def __init__(self, *, max_numel: int = 1 << 20, budget: int = 1 << 21, max_nodes: int = 20000):
+        self.events: list[OpCapture] = []
+        self.max_numel, self.budget, self.max_nodes = max_numel, budget, max_nodes
+        self._seen: set[int] = set()
+
+    def marker(self, name: str) -> None:
+        self.events.append(OpCapture(name, GRAD_MARKER, None))
+
+    def attach(self, output: torch.Tensor) -> None:
+        """Hook every node of ``output``'s graph (call after the forward, before the backward)."""
+        start = getattr(output, "grad_fn", None)
+        todo, hooked = [start] if start is not None else [], set()
+        while todo and len(hooked) < self.max_nodes:
+            node = todo.pop()
+            if node is None or id(node) in hooked or type(node).__name__ == "AccumulateGrad":
+                continue
+            hooked.add(id(node))
+            try:
+                node.register_hook(self._hook(node))
+            except Exception:  # noqa: BLE001 - a node that takes no hook is not logged
+                continue
+            todo += [n for n, _ in node.next_functions if n is not None]
+
+    def _hook(self, node: Any) -> Callable[..., None]:
+        name = node.name()
+        # Which of the gradients the node passes on go to an activation (not a parameter's
+        # AccumulateGrad, not a constant): the first such is the one compared.
+        to_activation = [n is not None and type(n).__name__ != "AccumulateGrad" for n, _ in node.next_functions]
+
+        def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+            if id(node) in self._seen:
+                return
+            self._seen.add(id(node))
+            try:
+                grad = next((g for g, a in zip(grad_inputs, to_activation) if a and isinstance(g, torch.Tensor)), None)
+                if grad is None or not grad.is_floating_point():
+                    return
+                placements = None
+                if is_dtensor(grad):
+                    placements = str(tuple(grad.placements))
+                    grad = grad.to_local()
+                if grad.numel() > self.max_numel or grad.numel() > self.budget:
+                    return
+                self.budget -= grad.numel()
+                self.events.append(OpCapture("", name, grad.detach().float().cpu().clone(), placements))
+            except Exception:  # noqa: BLE001 - a gradient the log cannot copy is skipped, never the backward's failure
+                pass
+
+        return hook
+
+
 @dataclass
 class Capture:
     module_type: str
@@ -257,6 +326,7 @@ class ActivationProbe:
         self.expected_input: Any = None
         self.ops: list[OpCapture] = []  # the first forward's op log (a single model only)
         self.grad_order: list[str] = []  # modules whose output's gradient arrived, in backward order
+        self.backward = BackwardLog(max_numel=max_numel)  # the probed forward's backward, node by node
         self._handles: list[Any] = []
         self._stack: list[str] = []
         self._log: OpLog | None = None
@@ -333,6 +403,8 @@ class ActivationProbe:
             original = first_tensor(output)
             if original is not None and original.requires_grad and torch.is_grad_enabled():
                 original.register_hook(self._grad_hook(name, cap))
+                if name == OUTPUT:
+                    self.backward.attach(original)
 
         return hook
 
@@ -351,6 +423,7 @@ class ActivationProbe:
                 if grad.numel() <= self.max_numel:
                     cap.grad, cap.grad_placements = grad.detach().float().cpu().clone(), placements
                     self.grad_order.append(name)
+                    self.backward.marker(name)
             except Exception:  # noqa: BLE001 - a gradient the probe cannot copy is skipped
                 pass
 
@@ -427,12 +500,9 @@ class ProbeData:
     """Every rank's captures, on the rank that collected them."""
 
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    # The reference's module outputs on each rank's input, replayed once for every check that
-    # reads them (harness.analysis.probe_checks.reference_outputs).
-    references: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
-    reference_ops: dict[int, list[OpCapture]] = field(default_factory=dict, repr=False)
-    reference_results: dict[int, Any] = field(default_factory=dict, repr=False)  # what the replayed forward returned
-    reference_grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)  # module-output gradients
+    # The reference replayed on each rank's probed micro-batch, once for every check that reads
+    # it (harness.analysis.probe_checks.Replay: module outputs, op logs, gradients).
+    replays: dict[int, Any] = field(default_factory=dict, repr=False)
 
 
 def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -462,6 +532,8 @@ def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[
             name: dataclasses.replace(cap, output=of(cap.output), input=of(cap.input), grad=of(cap.grad))
             for name, cap in probe.captures.items()},
         "grad_order": list(probe.grad_order),
+        "backward_ops": probe.backward.events if value is None else [
+            dataclasses.replace(op, output=of(op.output)) for op in probe.backward.events],
         "ops": probe.ops if value is None else [dataclasses.replace(op, output=of(op.output)) for op in probe.ops],
     }
 

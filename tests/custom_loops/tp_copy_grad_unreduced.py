@@ -5,7 +5,9 @@ after); the embedding, the norms and the head are replicated. A column-parallel 
 is replicated, so its gradient is a partial sum on each rank: the "copy to the tensor-parallel
 region" before the matmul is the identity forward and an all-reduce backward. The bug leaves
 that backward's all-reduce out: the forward and the loss are right, the gradient of each norm's
-output is a partial sum, and the replicated parameters before it get partial gradients."""
+output is a partial sum, and the replicated parameters before it get partial gradients. The
+``averaged`` entry all-reduces and then divides by the group's size, as a data-parallel
+gradient is: every rank holds half of the gradient instead."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,9 +31,11 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if not ctx.bug:
+        if ctx.bug is not True:
             g = g.clone()
             dist.all_reduce(g)
+            if ctx.bug == "averaged":  # BUG (the averaged entry): a sum over the group is wanted
+                g = g / dist.get_world_size()
         return g, None
 
 
@@ -96,3 +100,7 @@ def train(ctx, run, bug=None):
 
 def correct(ctx, run):
     train(ctx, run, bug=False)
+
+
+def averaged(ctx, run):
+    train(ctx, run, bug="averaged")
