@@ -194,6 +194,65 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
     return value.record_path, value.trace_path or None, probe
 
 
+def _probe_failing_step(target: Target, case: Case, strategy: Any, ctx: DistContextLike, dst: int, run_options: dict[str, Any],
+                        out: DiagnosedRun, probe: Any, record_path: str | None) -> Any:
+    """Collective, for a failed run: where its first failing step comes after step 0 and
+    step 0's probe cannot show it (:func:`harness.analysis.divergence.step_to_probe`, decided on
+    ``dst``), train the target again up to that step with the probe on that step's first
+    micro-batch instead; its probe on ``dst`` (None elsewhere, or when there is none). The
+    second run records to a temporary folder and is not compared: it only gives the values."""
+    from harness.analysis.divergence import step_to_probe
+
+    step = None
+    if ctx.rank == dst:
+        try:
+            from reference.record import Record
+
+            comparison = out.result.comparison
+            reference = Record.load(comparison.reference) if getattr(comparison, "mode", "") == "stepwise" else None
+            actual = Record.load(record_path) if record_path else None
+            step = step_to_probe(comparison, probe, actual, reference) if reference is not None else None
+        except Exception:  # noqa: BLE001 - without the decision there is no second run, the verdict stands
+            step = None
+    step = broadcast_object(step, dst)
+    if step is None:
+        return None
+    later_case = case.with_steps(step + 1)
+    folder = Path(tempfile.mkdtemp(prefix="harness-probe-")) if ctx.rank == dst else None
+    try:
+        return _train_probed(target, later_case, strategy, ctx, dst, folder, step)
+    except Exception as exc:  # noqa: BLE001 - the same code trained once: what fails now is evidence lost, not the verdict
+        out.result.comparison.notes.append(f"the first failing step {step} was not probed: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        if folder is not None:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _train_probed(target: Target, case: Case, strategy: Any, ctx: DistContextLike, dst: int, folder: Path | None,
+                  step: int) -> Any:
+    """Collective: train ``target`` on ``case`` with the probe on ``step``; its probe on ``dst``."""
+    from harness.record.probe import ProbedStrategy, collect_probe
+
+    record_path = folder / "record" if folder is not None else None
+    if strategy is not None:
+        from harness.run import train_strategy
+
+        probed = ProbedStrategy(strategy, at_step=step)
+        train_strategy(case, probed, ctx, record_path, dst=dst, check_replicas=False, trace=False)
+        return collect_probe(probed, dst)
+    from harness.record.custom import CustomRun
+
+    assert target.train is not None
+    run = CustomRun(case, ctx, record_path, dst=dst, probe_step=step)
+    case.seed_training()
+    target.train(ctx, run)
+    run.finish()
+    return collect_probe(run, dst)
+
+
 def diagnose_on_ranks(
     target: Target,
     ctx: DistContextLike,
@@ -221,6 +280,10 @@ def diagnose_on_ranks(
         record_path, trace_path, probe = _train_custom(target, case, ctx, dst, run_options, out)
     else:
         raise TargetError(f"{target.name} has neither a strategy nor a train(ctx, run) loop to run on ranks")
+    if checkpoint is None and not run_options.get("digests") and out.result is not None and not out.result.comparison.passed:
+        later = _probe_failing_step(target, case, strategy, ctx, dst, run_options, out, probe, record_path)
+        if later is not None and probe is not None:
+            probe.later = later
     if ctx.rank == dst and checkpoint is not None and checkpoint.resume and out.result is not None:
         from reference.record import Record
 

@@ -288,6 +288,11 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     ("tests/custom_loops/tp_copy_grad_unreduced.py:averaged", "backward", "blocks.1.up", 0, "_CopyToRegionBackward"),
     # a sampler never told the epoch: step 4 reads the reference's step-0 batch again
     ("tests/custom_loops/no_set_epoch.py", "input", "<data>", None, None),
+    # departures first visible after step 0, found by probing the first failing step on a second
+    # run: stale master weights copied over step 0's update (step 1, the first layer's matmul),
+    # a validation pass's model.eval() never undone (step 1, the first dropout, by its mode)
+    ("tests/custom_loops/stale_master_weights.py", "forward", "fc1", 0, "aten.addmm.default"),
+    ("tests/custom_loops/eval_mode_after_validation.py", "forward", "dropout", 0, None),
 ])
 def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache, tmp_path, target: str, phase: str,
                                                    module: str, rank: int | None, op: str) -> None:
@@ -306,6 +311,8 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
     elif phase == "backward":
         assert (where[0]["grad_of"], where[0]["partial_over"], where[0]["partial_from"]) == \
             ("blocks.1.norm", [0, 1], "AddmmBackward0"), where[0]
+    if target.endswith(("stale_master_weights.py", "eval_mode_after_validation.py")):
+        assert where[0]["step"] == 1 and "of step 1" in where[0]["line"], where[0]
     if module == "<data>":
         assert (where[0]["step"], where[0]["same_as_reference_step"]) == (4, 0) and "set_epoch" in where[0]["line"], where[0]
 
@@ -313,7 +320,9 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
 @pytest.mark.parametrize("target", ["tests/custom_loops/tp_norm_on_local_shard.py:correct",
                                     "tests/custom_loops/vocab_parallel_padded_loss.py:correct",
                                     "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
-                                    "tests/custom_loops/tp_copy_grad_unreduced.py:correct"])
+                                    "tests/custom_loops/tp_copy_grad_unreduced.py:correct",
+                                    "tests/custom_loops/stale_master_weights.py:correct",
+                                    "tests/custom_loops/eval_mode_after_validation.py:correct"])
 def test_the_right_versions_of_the_held_out_bugs_pass_without_a_location(rank_runner, reference_cache, tmp_path, target: str) -> None:
     report = diagnose_target(target, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
     assert report.verdict.verdict == "pass" and "first_divergent_op" not in json.dumps(report.to_json()), report.verdict.to_dict()
@@ -346,6 +355,38 @@ class DoubleDecay(FSDPStrategy):
 
 STRATEGY = DoubleDecay
 '''
+
+
+STALE_MASTERS = '''
+import torch
+from cases.catalog import mlp_case
+from cases.strategies.ddp import DDPStrategy
+
+CASE = mlp_case("adamw")
+
+class StaleMasters(DDPStrategy):
+    name = "ddp-stale-masters"
+
+    def forward_backward(self, case, setup, micro_batches):
+        params = list(setup.model.parameters())
+        if not hasattr(self, "masters"):
+            self.masters = [p.detach().clone() for p in params]
+        with torch.no_grad():  # BUG: the masters never learn; each step starts from them again
+            for p, m in zip(params, self.masters):
+                p.copy_(m)
+        return super().forward_backward(case, setup, micro_batches)
+
+STRATEGY = StaleMasters
+'''
+
+
+def test_a_strategy_whose_forward_departs_after_step_0_is_probed_at_that_step(rank_runner, reference_cache, tmp_path) -> None:
+    target = tmp_path / "stale_masters.py"
+    target.write_text(STALE_MASTERS)
+    report = diagnose_target(str(target), runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.verdict == "fail", report.verdict.to_dict()
+    where = report.diagnoses[0].evidence["first_divergent_op"]
+    assert (where["phase"], where["step"], where["module"], where["op"]) == ("forward", 1, "fc1", "aten.addmm.default"), where
 
 
 def test_weight_decay_applied_twice_to_shards_is_located_in_the_optimizer_step(rank_runner, reference_cache, tmp_path) -> None:

@@ -1,7 +1,9 @@
-"""Where a failing run departs: the first module whose forward output leaves the reference's
-(and the op inside it); else the loss, when the forward matches and step 0's loss does not;
-else the optimizer step when the gradients match and the update does not; else the first
-failing gradient in backward order when only some of a step's gradients fail.
+"""Where a failing run departs: the samples of the first failing step, when they are not the
+reference's; else the first module whose forward output leaves the reference's (and the op
+inside it); else the loss, when the forward matches and step 0's loss does not; else the
+optimizer step when the gradients match and the update does not; else the first module output
+whose gradient leaves the reference's in the probed backward (and the autograd node there);
+else the first failing gradient in backward order when only some of a step's gradients fail.
 
 Only for a run whose comparison failed (a correct run never gets a location). The forward
 location comes from the activation probe (:mod:`harness.record.probe`): every rank's module
@@ -44,7 +46,7 @@ from harness.analysis.compare import CompareResult, TensorComparison
 from harness.analysis.probe_checks import PROBE_ATOL, PROBE_RTOL, reference_backward, reference_grads, reference_loss, reference_ops, reference_outputs
 from harness.record.probe import GRAD_MARKER, OUTPUT, OpCapture, ProbeData
 
-__all__ = ["first_divergence_location", "location_line"]
+__all__ = ["first_divergence_location", "location_line", "reference_state", "step_to_probe"]
 
 def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
     widen = max(1.0, torch.finfo(dtype).eps / torch.finfo(torch.float32).eps / 4096) if dtype.is_floating_point else 1.0
@@ -182,6 +184,21 @@ def _forward_location(data: ProbeData, case: Case, matched: list[str] | None = N
             cap = entry["captures"][name]
             if name not in ref:
                 continue
+            if cap.p and not cap.training:
+                # The reference trains every module: a dropout left in eval mode (model.eval()
+                # for a validation pass, never undone) computes the identity where it masks.
+                found = {"phase": "forward", "module": name, "module_type": cap.module_type, "op": None, "rank": rank,
+                         "step": data.step, "max_abs": float((cap.output - ref[name]).abs().max()), "max_rel": 0.0,
+                         "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"}, "position": position,
+                         "compared": "its mode: it ran in eval mode (no mask drawn); the reference trains it",
+                         "eval_mode": True, "placements": cap.placements, "_name": name}
+                if first is None or position < first["position"]:
+                    first = found
+                break
+            if cap.p and data.step > 0:
+                # A later step's masks come from a generator state the replay does not have:
+                # nothing from this dropout on is compared (values, not draws, are sought here).
+                break
             judged = _judge(cap.output, cap.placements, ref[name], coord, group,
                             lambda: _group_sum(by_rank, group, name, cap.output.shape), rtol, atol)
             if judged is None:
@@ -204,7 +221,7 @@ def _forward_location(data: ProbeData, case: Case, matched: list[str] | None = N
                 cap = entry["captures"][culprit]
                 name = culprit
             found = {**note, "phase": "forward", "module": "<model output>" if name == OUTPUT else name,
-                     "module_type": cap.module_type, "op": None, "rank": rank, "step": 0, "max_abs": judged.max_abs,
+                     "module_type": cap.module_type, "op": None, "rank": rank, "step": data.step, "max_abs": judged.max_abs,
                      "max_rel": judged.max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"},
                      "compared": judged.compared, "placements": cap.placements, "position": position,
                      "_name": name}
@@ -213,6 +230,9 @@ def _forward_location(data: ProbeData, case: Case, matched: list[str] | None = N
             break
     if matched is not None and first is None:
         matched += [n for n, count in compared_on.items() if count == probed]
+    if first is not None and first.get("eval_mode"):
+        first.pop("position"), first.pop("_name")
+        return first
     if first is not None:
         first.pop("position")
         name = first.pop("_name")
@@ -441,7 +461,7 @@ def _input_location(probe: ProbeData, case: Case) -> dict[str, Any] | None:
                 within, max_abs, max_rel = torch.equal(a, b), float((a != b).sum()), 0.0
             if not within:
                 return {"phase": "input", "module": "<model input>", "module_type": None, "op": None, "rank": entry["rank"],
-                        "step": 0, "max_abs": max_abs, "max_rel": max_rel,
+                        "step": probe.step, "max_abs": max_abs, "max_rel": max_rel,
                         "tolerance": {"rtol": rtol, "atol": atol, "of": "max |samples|"},
                         "compared": f"the input of rank {entry['rank']}'s first forward against the collated samples it "
                                     f"reported ({len(entry['ids'])} ids: {entry['ids'][:4]}{'...' if len(entry['ids']) > 4 else ''})"}
@@ -456,7 +476,7 @@ def _loss_location(comparison: CompareResult, probe: ProbeData | None, case: Cas
     whose own loss matches the reference's on its own batch is no evidence of that: the step
     differs by what the ranks read (their samples, their per-replica statistics)."""
     first = _first_failing_step(comparison)
-    if probe is None or first is None or first[0] != 0 or not matched:
+    if probe is None or first is None or first[0] != probe.step or not matched:
         return None
     if not any(t.kind == "loss" and not t.passed for t in first[1]):
         return None
@@ -479,7 +499,7 @@ def _loss_location(comparison: CompareResult, probe: ProbeData | None, case: Cas
     last = next((n for n in reversed(matched) if n != OUTPUT), None)
     after = "the model's output" if whole else f"module {last!r}, the last module output compared"
     return {"phase": "loss", "module": "<loss>" if whole else f"after {last}", "module_type": None, "op": None,
-            "rank": rank, "step": 0, "max_abs": max_abs, "max_rel": max_rel,
+            "rank": rank, "step": probe.step, "max_abs": max_abs, "max_rel": max_rel,
             "tolerance": {"rtol": rtol, "atol": atol, "of": "|reference loss|"},
             "compared": f"rank {rank}'s loss on its first micro-batch is {held:.6g}, the reference's on the same inputs and "
                         f"targets {expected:.6g}; the forward matches in every module output compared on every rank "
@@ -524,13 +544,15 @@ def _activation_backward_location(comparison: CompareResult, probe: ProbeData | 
     itself; the first such gradient is the location. A scale or sync bug after the backward
     leaves every activation gradient right: no location from here."""
     first_step = _first_failing_step(comparison)
-    if probe is None or first_step is None or first_step[0] != 0:
+    if probe is None or first_step is None or first_step[0] != probe.step:
         return None
     step, at_step = first_step
     if any(t.kind == "loss" and not t.passed for t in at_step) or not any(t.kind == "grad" and not t.passed for t in at_step):
         return None
     rtol, atol = _tolerance(case.dtype)
     by_rank = {r["rank"]: r for r in probe.ranks}
+    if probe.step > 0 and any(c.p for r in probe.ranks for c in r["captures"].values()):
+        return None  # a later step's backward goes through masks the replay cannot draw alike
     first: dict[str, Any] | None = None
     for rank, entry in sorted(by_rank.items()):
         order = entry.get("grad_order") or []
@@ -577,7 +599,7 @@ def _activation_backward_location(comparison: CompareResult, probe: ProbeData | 
             # None: the very first gradient compared is not the reference's up to a scale - the
             # loss's own backward departs.
             after = "<loss>" if last_within is None else "<model output>" if last_within == OUTPUT else last_within
-            found = {"phase": "backward", "module": after, "module_type": None, "op": None, "rank": rank, "step": 0,
+            found = {"phase": "backward", "module": after, "module_type": None, "op": None, "rank": rank, "step": probe.step,
                      "grad_of": "<model output>" if name == OUTPUT else name, "max_abs": judged.max_abs,
                      "max_rel": judged.max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference gradient|"},
                      "compared": f"{judged.compared}, against the reference's times {scale:.6g} (this rank's loss weight, "
@@ -699,6 +721,35 @@ def _backward_location(comparison: CompareResult) -> dict[str, Any] | None:
                         "gradients in backward order"}
 
 
+def step_to_probe(comparison: CompareResult | None, probe: ProbeData | None, actual: Any = None,
+                  reference: Any = None) -> int | None:
+    """The first failing step, where it is after step 0 and a probe of it could say where the
+    run departs: its loss fails (the forward or the loss computes something else from weights
+    that matched after the step before), its samples are the reference's (else they are the
+    location) and step 0's probe holds the run's forward (a pipeline's later stages, or a run
+    the probe never saw, would hold nothing at that step either). None otherwise."""
+    if comparison is None or comparison.passed or probe is None:
+        return None
+    first = _first_failing_step(comparison)
+    if first is None or first[0] == 0:
+        return None
+    step, at_step = first
+    if not any(t.kind == "loss" and not t.passed for t in at_step):
+        return None
+    if not any(r.get("captures") for r in probe.ranks) or _samples_location(comparison, actual, reference) is not None:
+        return None
+    return step
+
+
+def reference_state(reference: Any, step: int) -> dict[str, torch.Tensor] | None:
+    """The reference's parameters at the start of ``step`` (its record's after the step
+    before); None where the record holds none."""
+    try:
+        return {name: tensor for name, tensor in reference.iter_tensors(step - 1, "param")} or None
+    except Exception:  # noqa: BLE001 - a record without that step: the later probe is not replayed
+        return None
+
+
 def first_divergence_location(comparison: CompareResult | None, probe: ProbeData | None, case: Case | None,
                               actual: Any = None, reference: Any = None) -> dict[str, Any] | None:
     """Where a failed run departs (module docstring), or None: a passed run, or no evidence.
@@ -711,6 +762,13 @@ def first_divergence_location(comparison: CompareResult | None, probe: ProbeData
     if found is not None:
         found["line"] = location_line(found)
         return found
+    if probe is not None and probe.later is not None:
+        # The first failing step came after step 0 and was probed on its own: its replay starts
+        # from the reference's parameters after the step before.
+        if probe.later.state is None and reference is not None:
+            probe.later.state = reference_state(reference, probe.later.step)
+        if probe.later.state is not None:
+            probe = probe.later
     if probe is not None:
         found = _input_location(probe, case)
         if found is not None:
@@ -740,15 +798,15 @@ def location_line(loc: dict[str, Any]) -> str:
                      f"; they are exactly the reference's step {loc['same_as_reference_step']} batch")
         return f"departs before the model, in the samples it read, at step {loc['step']}: {loc['compared']}{again}"
     if loc["phase"] == "input":
-        return (f"departs before the model, in its input, at step 0 on rank {loc['rank']}: {loc['compared']} differ by "
+        return (f"departs before the model, in its input, at step {loc['step']} on rank {loc['rank']}: {loc['compared']} differ by "
                 f"max abs {loc['max_abs']:.3g} (an augmentation, noise or cast applied to the batch)")
     if loc["phase"] == "loss":
         where = "in the loss computation after the model's forward" if loc.get("model_output_compared") else \
             f"between {loc['module'].removeprefix('after ')!r} and the loss (the model's output itself could not be compared)"
-        return f"departs {where} at step 0 on rank {loc['rank']}: {loc['compared']}"
+        return f"departs {where} at step {loc['step']} on rank {loc['rank']}: {loc['compared']}"
     if loc["phase"] == "backward" and loc.get("activation"):
         if loc["module"] == "<loss>":
-            return (f"departs in the backward of step 0 on rank {loc['rank']}, in the loss's own backward: the gradient "
+            return (f"departs in the backward of step {loc['step']} on rank {loc['rank']}, in the loss's own backward: the gradient "
                     f"of {loc['grad_of']!r}'s output is not the reference's up to a scale (max abs {loc['max_abs']:.3g}), "
                     f"compared with the reference's {loc['compared']}")
         after = "the model's output" if loc["module"] == "<model output>" else repr(loc["module"])
@@ -767,12 +825,16 @@ def location_line(loc: dict[str, Any]) -> str:
             node = f"; the first node beyond the rule: {loc['op']}"
         elif loc.get("op_note"):
             node = f" ({loc['op_note']})"
-        return (f"departs in the backward of step 0 on rank {loc['rank']}, after the gradient of {after}'s output (it "
+        return (f"departs in the backward of step {loc['step']} on rank {loc['rank']}, after the gradient of {after}'s output (it "
                 f"matches): the gradient of {loc['grad_of']!r}'s output {what}, compared with the reference's "
                 f"{loc['compared']}{node}")
     if loc["phase"] == "backward":
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
+    if loc.get("eval_mode"):
+        return (f"departs in the forward of step {loc['step']} at module {loc['module']!r} ({loc['module_type']}) on rank "
+                f"{loc['rank']}: it ran in eval mode (no mask drawn) where the reference trains it - a model.eval() "
+                "not undone by model.train()?")
     tol = loc["tolerance"]
     at = f"module {loc['module']!r} ({loc['module_type']})"
     if loc.get("op"):
@@ -781,11 +843,11 @@ def location_line(loc: dict[str, Any]) -> str:
         if loc.get("inline_before"):
             at += f", inline in its forward before its submodule {loc['inline_before']!r}"
     if loc.get("consumed_by"):
-        return (f"departs in the forward of step 0 at {at} on rank {loc['rank']}: "
+        return (f"departs in the forward of step {loc['step']} at {at} on rank {loc['rank']}: "
                 f"its output is a partial sum over the tensor-parallel group {loc['partial_over']} (the reference's only "
                 f"summed), used unreduced - {loc['consumed_by']!r} departs next, by max abs {loc['max_abs']:.3g} "
                 f"({loc['max_rel']:.3g} of its largest value; allowed rtol {tol['rtol']:.3g}, atol {tol['atol']:.3g} of it)")
-    line = (f"departs in the forward of step 0 at {at} on rank {loc['rank']}: "
+    line = (f"departs in the forward of step {loc['step']} at {at} on rank {loc['rank']}: "
             f"max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of the output's largest value; allowed rtol {tol['rtol']:.3g}, "
             f"atol {tol['atol']:.3g} of it), compared with the reference's {loc['compared']}")
     if loc.get("after_partial"):

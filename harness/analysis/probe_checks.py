@@ -37,13 +37,19 @@ class Replay(NamedTuple):
     backward: list[OpCapture]  # the backward's node log with the gradients' arrival markers (BackwardLog)
 
 
-def _replay_reference(case: Case, x: Any, targets: Any = None) -> Replay:
+def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, torch.Tensor] | None = None) -> Replay:
     """The reference model's module outputs, op log (:func:`harness.record.probe.op_log`),
     output of one forward on ``x`` (same weights, same step-0 state, the case's seed for
     dropout) and - with ``targets`` - each module output's gradient in the backward of the
     case's loss on them (unweighted: a rank's loss weight scales every one of its activation
-    gradients alike), in the order they arrived, with that backward's node log."""
+    gradients alike), in the order they arrived, with that backward's node log. ``state``: the
+    reference's parameters by name at a later step's start, loaded over the initial ones."""
     model = case.build_model("cpu")
+    if state:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in state and state[name].shape == param.shape:
+                    param.copy_(state[name])
     grads: dict[str, torch.Tensor] = {}
     backward = BackwardLog()
 
@@ -68,7 +74,7 @@ def _replay_reference(case: Case, x: Any, targets: Any = None) -> Replay:
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:
     if rank not in data.replays:
         entry = next(r for r in data.ranks if r["rank"] == rank)
-        data.replays[rank] = _replay_reference(case, entry["input"], entry.get("targets"))
+        data.replays[rank] = _replay_reference(case, entry["input"], entry.get("targets"), data.state)
 
 
 def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:

@@ -64,6 +64,7 @@ class CustomRun:
     def __init__(
         self, case: Case, ctx: Any, record_path: str | os.PathLike[str] | None, *, dst: int = 0, tracer: Any = None,
         digests: bool = False, checkpoint: Any = None, checkpoint_glue: tuple[Any, Any] | None = None,
+        probe_step: int = 0,
     ):
         # A harness.record.checkpoint.CheckpointPlan: save after step at-1, or resume from it;
         # checkpoint_glue: the target file's (save, load), else the harness's own save.
@@ -83,6 +84,7 @@ class CustomRun:
         self.layout: RankLayout | None = None
         self.model: Any = None
         self.probe: Any = None  # harness.record.probe.ActivationProbe once watch() was called
+        self.probe_step = probe_step  # the step whose first forward the probe keeps
         self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
         self._hook_step = False
         self.steps_done = 0  # steps recorded to the end (after_step calls)
@@ -164,7 +166,7 @@ class CustomRun:
         # (tp-partial-sum, dropout masks), collected after the run.
         from harness.record.probe import ActivationProbe
 
-        self.probe = ActivationProbe()
+        self.probe = ActivationProbe(at_step=self.probe_step)
         self.probe.attach([model] if isinstance(model, nn.Module) else list(model))
         # The training RNG starts where the reference's does: from the case seed, after the
         # model was built (building it drew the initial weights from the same generator).
@@ -285,7 +287,7 @@ class CustomRun:
             collate(self.case.dataset, idx, device=device or self.ctx.device, dtype=self.case.dtype, step=step)
             for idx in replica_micro_batch_indices(self.case, step, layout.dp_rank, layout.dp_size)
         ]
-        if step == 0 and batches and self.probe is not None and self.probe.input is None:
+        if self.probe is not None and step == self.probe.at_step and batches and self.probe.input is None:
             # The probe replays the reference on the input of the first forward, this one.
             self.probe.keep_batch(batches[0])
         return batches
@@ -317,7 +319,7 @@ class CustomRun:
             normaliser = self.case.normaliser(self._collate_ids(sample_ids, step))
         self._rec("loss").micro_batch(step, loss, sample_ids, normaliser)
         probe = self.probe
-        if step == 0 and probe is not None and probe.input is not None and probe.loss is None:
+        if probe is not None and step == probe.at_step and probe.input is not None and probe.loss is None:
             if probe.ids is None:  # the input came from the forward itself: what samples it should hold
                 probe.ids = [int(i) for i in sample_ids]
                 try:
@@ -357,7 +359,7 @@ class CustomRun:
         rec.stop_draws()  # inside the tracer's log: the modes are a stack
         if self.tracer is not None:
             self.tracer.log_random_ops(False)
-        if self.probe is not None:
+        if self.probe is not None and step >= self.probe.at_step:
             self.probe.detach()
         with self._harness_phase():
             rec.grads(step)
@@ -365,6 +367,8 @@ class CustomRun:
     def after_step(self, step: int) -> None:
         """Collective: call just after ``optimizer.step()`` (parameters, optimizer state)."""
         rec = self._rec("after_step")
+        if self.probe is not None and step + 1 == self.probe.at_step:
+            self.probe.armed = True  # the probed step's first forward comes next
         self._check_scheduler_stepped(step)
         with self._harness_phase():
             rec.after_step(step)

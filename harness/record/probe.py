@@ -305,14 +305,19 @@ class Capture:
     # where a backward departs, compared with the reference's (harness.analysis.divergence).
     grad: torch.Tensor | None = None
     grad_placements: str | None = None
+    training: bool = True  # the module's mode in this forward (the reference trains every module)
 
 
 class ActivationProbe:
     """Forward hooks that keep the first output of every submodule (call :meth:`attach`
     before the forward, :meth:`detach` after)."""
 
-    def __init__(self, max_numel: int = 1 << 20):
+    def __init__(self, max_numel: int = 1 << 20, at_step: int = 0):
         self.max_numel = max_numel
+        # The step whose first micro-batch is probed; the hooks keep nothing until it is armed
+        # (step 0: from the start; a later step: by its loop, once the step before it ended).
+        self.at_step = at_step
+        self.armed = at_step == 0
         self.captures: dict[str, Capture] = {}
         self.order: list[str] = []
         self.input: torch.Tensor | None = None
@@ -349,8 +354,13 @@ class ActivationProbe:
             if len(models) == 1:  # the model's own output (pipeline chunks have none of their own)
                 self._handles.append(model.register_forward_hook(self._hook(OUTPUT)))
 
+    def _keeping(self) -> bool:
+        """Armed, and in a training forward: a forward without autograd (a validation pass
+        between two steps, a sanity check before the first) is not the step's."""
+        return self.armed and torch.is_grad_enabled()
+
     def _start_log(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._logged or self._log is not None:
+        if self._logged or self._log is not None or not self._keeping():
             return
         if self.input is None:  # a loop that reads its own batches: the forward's own input
             given = dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else tuple(args))
@@ -370,7 +380,7 @@ class ActivationProbe:
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if name in self.captures:
+            if name in self.captures or not self._keeping():
                 return
             log = self._log
             if log is not None:  # the probe's own copies are not the model's ops
@@ -391,7 +401,8 @@ class ActivationProbe:
                 placements = str(tuple(out.placements))
                 replicated = all(type(p).__name__ == "Replicate" for p in out.placements)
                 out = out.to_local()
-            cap = Capture(type(module).__name__, out.detach().float().cpu().clone(), placements, replicated)
+            cap = Capture(type(module).__name__, out.detach().float().cpu().clone(), placements, replicated,
+                          training=bool(module.training))
             if isinstance(module, nn.modules.dropout._DropoutNd):
                 inp = first_tensor(args)
                 if inp is not None:
@@ -458,12 +469,13 @@ class ProbedStrategy:
     """Wraps a strategy; probes the first micro-batch of its first forward/backward. Behaves
     exactly like the wrapped strategy otherwise (same name, same steps)."""
 
-    def __init__(self, inner: Any, probe: ActivationProbe | None = None):
+    def __init__(self, inner: Any, probe: ActivationProbe | None = None, at_step: int = 0):
         self.inner = inner
         self.name = inner.name
-        self.probe = probe or ActivationProbe()
+        self.probe = probe or ActivationProbe(at_step=at_step)
         self.layout: Any = None
         self._done = False
+        self._step = 0  # the step whose batches were asked for last
 
     def setup(self, case: Case, ctx: Any) -> Any:
         setup = self.inner.setup(case, ctx)
@@ -471,12 +483,14 @@ class ProbedStrategy:
         return setup
 
     def local_batches(self, case: Case, setup: Any, step: int) -> list[Batch]:
+        self._step = step
         return self.inner.local_batches(case, setup, step)
 
     def forward_backward(self, case: Case, setup: Any, micro_batches: list[Batch]) -> list[Any]:
-        if self._done or not micro_batches:
+        if self._done or not micro_batches or self._step != self.probe.at_step:
             return self.inner.forward_backward(case, setup, micro_batches)
         self._done = True
+        self.probe.armed = True
         models = [setup.model] if isinstance(setup.model, nn.Module) else list(setup.model)
         self.probe.keep_batch(micro_batches[0])
         self.probe.attach(models)
@@ -503,6 +517,13 @@ class ProbeData:
     # The reference replayed on each rank's probed micro-batch, once for every check that reads
     # it (harness.analysis.probe_checks.Replay: module outputs, op logs, gradients).
     replays: dict[int, Any] = field(default_factory=dict, repr=False)
+    step: int = 0  # the probed step (its first micro-batch)
+    # For a later step: the reference's parameters at its start (the reference record's after the
+    # step before), which its replay loads; None at step 0 (the case's initial weights).
+    state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    # The probe of the first failing step, where that is after step 0 (a second run of the
+    # target up to it, on failure only): where the run departs is sought there.
+    later: "ProbeData | None" = field(default=None, repr=False)
 
 
 def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -543,8 +564,9 @@ def collect_probe(strategy: Any, dst: int = 0) -> ProbeData | None:
     ``strategy``: a :class:`ProbedStrategy`, or anything with its ``layout`` and ``probe`` (a
     custom loop's ``CustomRun``)."""
     mine = probe_entry(strategy.probe, dist.get_rank() if dist.is_initialized() else 0, strategy.layout)
+    step = strategy.probe.at_step
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ProbeData([mine])
+        return ProbeData([mine], step=step)
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst)
-    return ProbeData(list(out)) if out is not None else None
+    return ProbeData(list(out), step=step) if out is not None else None
