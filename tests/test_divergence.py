@@ -274,8 +274,8 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     # a LayerNorm over features sharded by hand, normalised over each rank's half: its own op
     ("tests/custom_loops/tp_norm_on_local_shard.py", "forward", "blocks.0.norm", 0, "aten.native_layer_norm.default"),
     # vocab-parallel cross entropy that lets the padded logit in: the forward matches up to the
-    # head (whose padded output has no reference shape), the loss does not
-    ("tests/custom_loops/vocab_parallel_padded_loss.py", "loss", "after norm", 0, None),
+    # model's output (the head's padded shard compared on its real rows), the loss does not
+    ("tests/custom_loops/vocab_parallel_padded_loss.py", "loss", "<loss>", 0, None),
     # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
     ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
     # a column-parallel layer whose input's gradient is never all-reduced (the "copy to the
@@ -432,3 +432,19 @@ def test_an_op_log_is_searched_by_identity_even_where_one_op_repeats_in_a_module
     # tensors, whose truth value is ambiguous, and the search for the second would raise.
     first, second = (OpCapture("block", "aten.add.Tensor", torch.full((2, 2), v)) for v in (1.0, 2.0))
     assert [first, second].index(second) == 1 and first != second
+
+
+def test_a_padded_shard_is_compared_on_its_real_rows() -> None:
+    from harness.analysis.divergence import _judge
+
+    # A 31-row vocabulary padded to 32 over 2 ranks: rank 0 holds rows 0..15, rank 1 rows 16..30
+    # and one pad row, whatever its value.
+    whole = torch.randn(4, 31)
+    held = {0: whole[:, :16].clone(), 1: torch.cat([whole[:, 16:], torch.full((4, 1), 7.0)], 1)}
+    judged = {r: _judge(held[r], None, whole, r, [0, 1], lambda: None, 2e-3, 2e-4) for r in (0, 1)}
+    assert [j.status for j in judged.values()] == ["within", "within"], judged
+    assert judged[1].compared.startswith("rows 16..30 along dim 1")
+    held[1][:, 3] += 1.0  # a real row off: it departs; the pad row is never the reference's
+    assert _judge(held[1], None, whole, 1, [0, 1], lambda: None, 2e-3, 2e-4).status == "departs"
+    # More than a padded split can hold (three ranks' worth on a 2-rank group): not compared.
+    assert _judge(torch.randn(4, 48), None, whole, 1, [0, 1], lambda: None, 2e-3, 2e-4) is None

@@ -127,9 +127,24 @@ def _corresponding(local: torch.Tensor, placements: str | None, expected: torch.
         if kind == "plain":
             differing = [d for d in range(local.dim()) if local.shape[d] != expected.shape[d]] \
                 if local.dim() == expected.dim() else []
-            if len(differing) != 1 or not group or expected.shape[differing[0]] != local.shape[differing[0]] * len(group):
+            if len(differing) != 1 or not group or coord is None:
                 return None  # not a split the layout explains
             dim = differing[0]
+            size, whole = local.shape[dim], expected.shape[dim]
+            chunks = torch.chunk(expected, len(group), dim=dim)
+            if size * len(group) < whole and not (coord < len(chunks) and chunks[coord].shape[dim] == size):
+                return None  # smaller than the rank's part of any split of the group
+            if size * len(group) > whole and not (coord < len(chunks) and chunks[coord].shape[dim] == size):
+                # A padded split (a vocabulary padded to a multiple of the group, Megatron's
+                # convention): rank r holds the reference's rows [r*size, (r+1)*size) and pad
+                # rows past its end; only the real rows are compared.
+                start = coord * size
+                real = max(0, min(size, whole - start))
+                if real == 0:
+                    return None
+                return (local.narrow(dim, 0, real), expected.narrow(dim, start, real),
+                        f"rows {start}..{start + real - 1} along dim {dim} (a shard of {size} padded past the reference's {whole})",
+                        kind)
         if coord is None or dim is None or dim >= expected.dim():
             return None
         pieces = torch.chunk(expected, len(group) if group else 1, dim=dim)
