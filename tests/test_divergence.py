@@ -435,7 +435,7 @@ def test_an_op_log_is_searched_by_identity_even_where_one_op_repeats_in_a_module
 
 
 def test_a_padded_shard_is_compared_on_its_real_rows() -> None:
-    from harness.analysis.divergence import _judge
+    from harness.analysis.divergence.values import judge as _judge
 
     # A 31-row vocabulary padded to 32 over 2 ranks: rank 0 holds rows 0..15, rank 1 rows 16..30
     # and one pad row, whatever its value.

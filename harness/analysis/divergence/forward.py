@@ -1,0 +1,264 @@
+"""Where a failing run departs before or in the forward: the probed forward's input, its module
+outputs and the ops inside the first that departs, and the loss computed from a forward that
+matched (see :mod:`harness.analysis.divergence`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from reference.case import Case
+
+from harness.analysis.compare import CompareResult
+from harness.analysis.divergence.steps import first_failing_step
+from harness.analysis.divergence.values import aligned, difference, group_sum, judge, peer_sum, tolerance, tp_of
+from harness.analysis.probe_checks import reference_loss, reference_ops, reference_outputs
+from harness.record.probe import OUTPUT, OpCapture, ProbeData
+
+__all__ = ["forward_location", "input_location", "loss_location"]
+
+
+def input_location(probe: ProbeData, case: Case) -> dict[str, Any] | None:
+    """A loop that reads its own batches fed the model something other than the samples it
+    reported (run.loss's ids) in its first forward: an augmentation, noise, a wrong cast. The
+    values depart before the model; the first such rank."""
+    from reference.case import tensors_in
+
+    rtol, atol = tolerance(case.dtype)
+    for entry in sorted(probe.ranks, key=lambda r: r["rank"]):
+        held, expected = entry.get("input"), entry.get("expected_input")
+        if held is None or expected is None:
+            continue
+        pairs = list(zip(tensors_in(held), tensors_in(expected)))
+        if len(tensors_in(held)) != len(tensors_in(expected)) or any(a.shape != b.shape for a, b in pairs):
+            continue  # another structure than the case's batches: not comparable
+        for a, b in pairs:
+            if a.is_floating_point() or b.is_floating_point():
+                within, max_abs, max_rel = difference(a.float(), b.float(), rtol, atol)
+            else:
+                within, max_abs, max_rel = torch.equal(a, b), float((a != b).sum()), 0.0
+            if not within:
+                return {"phase": "input", "module": "<model input>", "module_type": None, "op": None, "rank": entry["rank"],
+                        "step": probe.step, "max_abs": max_abs, "max_rel": max_rel,
+                        "tolerance": {"rtol": rtol, "atol": atol, "of": "max |samples|"},
+                        "compared": f"the input of rank {entry['rank']}'s first forward against the collated samples it "
+                                    f"reported ({len(entry['ids'])} ids: {entry['ids'][:4]}{'...' if len(entry['ids']) > 4 else ''})"}
+    return None
+
+
+def forward_location(data: ProbeData, case: Case, matched: list[str] | None = None) -> dict[str, Any] | None:
+    """The first module whose output departs (module docstring), with its op; None when none
+    does. ``matched`` (when given) receives, in order, the modules whose output was compared
+    and matched on every probed rank."""
+    rtol, atol = tolerance(case.dtype)
+    by_rank = {r["rank"]: r for r in data.ranks}
+    first: dict[str, Any] | None = None
+    compared_on: dict[str, int] = {}
+    probed = 0
+    for rank, entry in sorted(by_rank.items()):
+        if entry["input"] is None or entry["stages"] not in (None, [0]):
+            continue  # later pipeline stages do not see the model input
+        ref = reference_outputs(data, rank, case)
+        probed += 1
+        coord, group = tp_of(entry)
+        pending: list[str] = []  # modules whose output matched only as a partial sum, not reduced since
+        for position, name in enumerate(entry["order"]):
+            cap = entry["captures"][name]
+            if name not in ref:
+                continue
+            if cap.p and not cap.training:
+                # The reference trains every module: a dropout left in eval mode (model.eval()
+                # for a validation pass, never undone) computes the identity where it masks.
+                found = {"phase": "forward", "module": name, "module_type": cap.module_type, "op": None, "rank": rank,
+                         "step": data.step, "max_abs": float((cap.output - ref[name]).abs().max()), "max_rel": 0.0,
+                         "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"}, "position": position,
+                         "compared": "its mode: it ran in eval mode (no mask drawn); the reference trains it",
+                         "eval_mode": True, "placements": cap.placements, "_name": name}
+                if first is None or position < first["position"]:
+                    first = found
+                break
+            if cap.p and data.step > 0:
+                # A later step's masks come from a generator state the replay does not have:
+                # nothing from this dropout on is compared (values, not draws, are sought here).
+                break
+            judged = judge(cap.output, cap.placements, ref[name], coord, group,
+                            lambda: group_sum(by_rank, group, name, cap.output.shape), rtol, atol)
+            if judged is None:
+                continue
+            if judged.status == "partial":
+                pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
+                continue
+            if judged.status == "within":
+                compared_on[name] = compared_on.get(name, 0) + 1
+                if name != OUTPUT:  # reduced at or inside ``name``: those partials were not the departure
+                    pending = [q for q in pending if not q.startswith(name + ".")]
+                continue
+            note = {"note": "a dropout whose mask differs from the reference's draw: whether the ranks should have "
+                            "drawn it alike is the random-draw checks' to say"} if cap.p else {}
+            culprit = next((q for q in pending if name == OUTPUT or q.startswith(name + ".")), None)
+            if culprit is not None:
+                # The departure shows in the module that used a partial sum of its own child unreduced.
+                note["consumed_by"] = "<model output>" if name == OUTPUT else name
+                note["partial_over"] = group
+                cap = entry["captures"][culprit]
+                name = culprit
+            found = {**note, "phase": "forward", "module": "<model output>" if name == OUTPUT else name,
+                     "module_type": cap.module_type, "op": None, "rank": rank, "step": data.step, "max_abs": judged.max_abs,
+                     "max_rel": judged.max_rel, "tolerance": {"rtol": rtol, "atol": atol, "of": "max |reference|"},
+                     "compared": judged.compared, "placements": cap.placements, "position": position,
+                     "_name": name}
+            if first is None or position < first["position"]:
+                first = found
+            break
+    if matched is not None and first is None:
+        matched += [n for n, count in compared_on.items() if count == probed]
+    if first is not None and first.get("eval_mode"):
+        first.pop("position"), first.pop("_name")
+        return first
+    if first is not None:
+        first.pop("position")
+        name = first.pop("_name")
+        try:
+            op = _op_location(data, case, first["rank"], "" if name == OUTPUT else name,
+                              partial=bool(first.get("consumed_by")), rtol=rtol, atol=atol)
+        except Exception as exc:  # noqa: BLE001 - the module is evidence enough without its op
+            op = {"op_note": f"the op inside {first['module']!r} was not located: {type(exc).__name__}: {exc}"}
+        if "max_abs" in op:
+            first["module_max_abs"] = first["max_abs"]
+        if op.get("inline_before"):  # the parent's own code departed first: the location is the parent
+            parent = "" if op["op_module"] == "<model output>" else op["op_module"]
+            held = by_rank[first["rank"]]["captures"].get(parent or OUTPUT)
+            first["module"], first["module_type"] = op["op_module"], held.module_type if held is not None else None
+        first.update(op)
+    return first
+
+
+def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial: bool, rtol: float,
+                 atol: float) -> dict[str, Any]:
+    """The first op of ``module`` on ``rank`` whose output departs from the reference's (for a
+    partial sum used unreduced: the first whose output is that partial sum), from the ranks'
+    op logs against the reference's on the same input. Ops run directly in the module are
+    searched first, then those of its submodules. Where every computing op matches, a
+    collective or layout op after them changed the values: the first collective after the
+    last matching op is named when there is one."""
+    by_rank = {r["rank"]: r for r in data.ranks}
+    entry = by_rank[rank]
+    held_ops: list[OpCapture] = entry.get("ops") or []
+    if not held_ops:
+        return {"op_note": "no op log of this forward (pipeline stages, or a model called before the harness watched it)"}
+    ref_ops = reference_ops(data, rank, case)
+    coord, group = tp_of(entry)
+    peers_sum = peer_sum(by_rank, group, "ops", held_ops)
+
+    def scan(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], scope: str,
+             only: Callable[[OpCapture], bool] = lambda o: True) -> tuple[dict[str, Any] | None, OpCapture | None]:
+        """The first held op of ``pairs`` (those ``only`` admits) that departs (or, with
+        ``partial``, is the partial sum), as the location's op fields; else (None, the last
+        op that matched)."""
+        last_within: OpCapture | None = None
+        partial_before: OpCapture | None = None  # the last op whose output matched only summed over the group
+        rows: list[dict[str, Any]] = []  # each compared op up to the departing one, for the report's numerics table
+        for mine, theirs, how in pairs:
+            if not only(mine):
+                continue
+            judged = judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine), rtol, atol)
+            if judged is None:
+                continue
+            hit = judged.status == "partial" if partial else judged.status == "departs"
+            rows.append({"op": mine.op, "module": mine.module or "<model output>", "reference_op": theirs.op,
+                         "status": judged.status, "max_abs": judged.max_abs, "compared": judged.compared, "aligned": how})
+            if not hit:
+                last_within = mine
+                if judged.status == "partial":
+                    partial_before = mine
+                elif judged.status == "within" and mine.placements is None:
+                    partial_before = None
+                continue
+            index = next(i for i, o in enumerate(o for o in held if o.output is not None) if o is mine)
+            where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
+                     "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:]}
+            since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
+            collective = next((o for o in reversed(since) if o.output is None), None)
+            if collective is not None:
+                where["after_collective"] = {"op": collective.op, "module": collective.module or "<model output>"}
+            if partial_before is not None and not partial:
+                where["after_partial"] = {"op": partial_before.op, "module": partial_before.module or "<model output>",
+                                          "over": group}
+            if partial:  # the module's figures (where the partial showed) stay; the op made the partial
+                return {**where, "op_compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
+            return {**where, "max_abs": judged.max_abs, "max_rel": judged.max_rel,
+                    "compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
+        return None, last_within
+
+    if module and not partial:
+        # What the module's parents compute inline before it (a norm written as plain calls in
+        # a block's forward) reaches the module as its input: the first op of a parent that
+        # departs before the module's own ops is where the values left the reference.
+        ancestors = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
+        first_own = next((i for i, o in enumerate(held_ops) if o.module == module or o.module.startswith(module + ".")), None)
+        before = {id(o) for o in held_ops[:first_own]} if first_own is not None else set()
+        found, _ = scan(aligned(held_ops, ref_ops), held_ops, f"inline in the forward of a module containing {module!r}, before it",
+                        lambda o: o.module in ancestors and id(o) in before)
+        if found is not None:
+            return {**found, "inline_before": module}
+    scopes = [("in the module itself", lambda m: m == module)]
+    if module:
+        scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
+    else:  # the model's own forward: what it computes inline runs in the reference's submodules
+        scopes.append(("in the whole forward, aligned regardless of modules", lambda m: True))
+    for scope, inside in scopes:
+        held = [o for o in held_ops if inside(o.module)]
+        ref = [o for o in ref_ops if inside(o.module)]
+        pairs = aligned(held, ref)
+        found, last_within = scan(pairs, held, scope)
+        if found is not None:
+            return found
+        after = held[held.index(last_within) + 1:] if last_within is not None else held
+        collective = next((o for o in after if o.output is None), None)
+        if collective is not None and pairs:
+            return {"op": collective.op, "op_module": collective.module or "<model output>",
+                    "op_note": f"every computing op {scope} matches the reference ({len(pairs)} compared); the values "
+                               f"change at this collective after {last_within.op if last_within else 'the start'}"}
+    return {"op_note": f"no single op of {module or 'the model forward'!r} departs by itself "
+                       "(the module's output does; ops compared by placement and aligned by name)"}
+
+
+def loss_location(comparison: CompareResult, probe: ProbeData | None, case: Case, matched: list[str]) -> dict[str, Any] | None:
+    """Step 0's loss departs, every module output of the probed forward that could be compared
+    matched on every rank, and a rank's own loss on its probed micro-batch departs from the
+    reference's loss on the same inputs and targets: the values leave the reference after
+    the model's forward (or after the last module compared), in the loss computation. A rank
+    whose own loss matches the reference's on its own batch is no evidence of that: the step
+    differs by what the ranks read (their samples, their per-replica statistics)."""
+    first = first_failing_step(comparison)
+    if probe is None or first is None or first[0] != probe.step or not matched:
+        return None
+    if not any(t.kind == "loss" and not t.passed for t in first[1]):
+        return None
+    rtol, atol = tolerance(case.dtype)
+    worst: tuple[int, float, float, float, float] | None = None
+    for entry in sorted(probe.ranks, key=lambda r: r["rank"]):
+        held = entry.get("loss")
+        if held is None or entry["stages"] not in (None, [0]):
+            continue
+        expected = reference_loss(probe, entry["rank"], case)
+        if expected is None or expected.numel() != 1:
+            continue
+        within, max_abs, max_rel = difference(held.reshape(()), expected.reshape(()), rtol, atol)
+        if not within and (worst is None or max_abs > worst[1]):
+            worst = (entry["rank"], max_abs, max_rel, float(held), float(expected))
+    if worst is None:
+        return None
+    rank, max_abs, max_rel, held, expected = worst
+    whole = OUTPUT in matched
+    last = next((n for n in reversed(matched) if n != OUTPUT), None)
+    after = "the model's output" if whole else f"module {last!r}, the last module output compared"
+    return {"phase": "loss", "module": "<loss>" if whole else f"after {last}", "module_type": None, "op": None,
+            "rank": rank, "step": probe.step, "max_abs": max_abs, "max_rel": max_rel,
+            "tolerance": {"rtol": rtol, "atol": atol, "of": "|reference loss|"},
+            "compared": f"rank {rank}'s loss on its first micro-batch is {held:.6g}, the reference's on the same inputs and "
+                        f"targets {expected:.6g}; the forward matches in every module output compared on every rank "
+                        f"({len(matched)}, up to {after})",
+            "matched_modules": len(matched), "model_output_compared": whole}
