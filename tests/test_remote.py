@@ -224,3 +224,35 @@ def test_a_fresh_runner_forks_ranks_that_ran_nothing_from_the_same_fork_server(r
     finally:
         fresh.close()
     assert rank_runner.run(pid_of, nproc=2, timeout=60).values == warm
+
+
+
+def loaded(ctx, names: list[str]) -> list[str]:
+    import sys
+
+    return [name for name in names if name in sys.modules]
+
+
+def test_the_fork_server_imports_the_compiler_stack_once_idle_and_later_pools_inherit_it() -> None:
+    """The fork server answers ready once a rank could run (the first pool is not held behind
+    torch's compiler stack), imports the rest while no request waits, and ranks forked after
+    that inherit every module: a replacement pool imports nothing again."""
+    import time
+
+    from harness.launch import zygote as zygote_module
+    from harness.launch.pool import PoolConfig, PoolManager
+    from harness.launch.remote import RankRunner
+
+    runner = RankRunner(PoolManager(PoolConfig(startup_timeout=120.0)), backend="gloo", device="cpu")
+    names = list(zygote_module.PREIMPORTS)
+    try:
+        assert runner.run(summed, nproc=2, kwargs={"x": 0}, timeout=120).values[1]["sum"] == 1
+        zygote = runner.manager.zygote
+        assert zygote is not None and zygote.ready
+        deadline = time.monotonic() + 120  # a loaded machine imports slowly; only the outcome is asserted
+        while zygote.preimported() != names and time.monotonic() < deadline:
+            time.sleep(1.0)  # a question is a request: asked more often than the idle wait, it would starve the imports
+        assert zygote.preimported() == names
+        assert runner.run(loaded, nproc=1, kwargs={"names": names}, timeout=120).values[0] == names
+    finally:
+        runner.close()

@@ -218,6 +218,11 @@ class Zygote:
         except (OSError, EOFError, PoolStartError):
             return None
 
+    def preimported(self) -> list[str]:
+        """The modules of ``zygote.PREIMPORTS`` the fork server has imported so far (it imports
+        them while idle, after it said it was ready): what a rank forked now inherits."""
+        return list(self._ask("preimported"))
+
     def close(self) -> None:
         self.conn.close()
         procs.kill_tree(self.proc.pid)

@@ -63,14 +63,21 @@ PREIMPORTS = (
 )
 
 
-def _preimport() -> None:
+def _preimport(name: str) -> None:
     import importlib
 
-    for name in PREIMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a build without it: the rank imports what it needs itself
-            pass
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a build without it: the rank imports what it needs itself
+        pass
+
+
+# The fork server says it is ready once a rank could run (torch, torch.distributed, the worker),
+# and imports PREIMPORTS one by one only while no request waits: the first pool's ranks are then
+# forked 1.7 s sooner (a short session waited for the compiler stack before its first test, on
+# the critical path after collection) and import what they use themselves; every later fork
+# (a replacement pool, another world size, a fresh runner) gets them all.
+IDLE_BEFORE_PREIMPORT_S = 0.3
 
 
 def main() -> None:
@@ -89,15 +96,16 @@ def main() -> None:
     import harness.launch.rank_state  # noqa: F401
     import harness.launch.worker  # noqa: F401
 
-    _preimport()
-
     statuses: dict[int, int] = {}
     children: set[int] = set()
+    pending = list(PREIMPORTS)
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            if not conn.poll(1.0):
+            if not conn.poll(IDLE_BEFORE_PREIMPORT_S if pending else 1.0):
                 _reap(statuses)
+                if pending:
+                    _preimport(pending.pop(0))
                 continue
             kind, *args = conn.recv()
         except (EOFError, OSError):
@@ -120,6 +128,8 @@ def main() -> None:
                     _reap(statuses)
                     time.sleep(0.01)
             conn.send(("status", statuses.get(pid)))
+        elif kind == "preimported":
+            conn.send(("preimported", [name for name in PREIMPORTS if name not in pending]))
     # The launcher is gone: nothing of ours may outlive it.
     for pid in children:
         procs.kill_tree(pid)

@@ -73,6 +73,19 @@ def run_pytest(directory: str, nproc: int, extra: list[str]) -> tuple[float, lis
     return total, per_test
 
 
+def time_pytest_alone(directory: str) -> float:
+    """The same session with every test deselected (no rank starts): what both ways pay and no
+    launcher can cut - pytest's start-up and plugins, the test file's ``import torch`` at
+    collection, the summary (hypothesis's plugin imports itself there) and the interpreter's
+    exit."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not distributed",
+                           "test_bench.py"], cwd=directory, stdout=subprocess.DEVNULL)
+    if done.returncode not in (0, 5):  # 5: no test ran, as asked
+        done.check_returncode()
+    return time.perf_counter() - start
+
+
 SLEEP_FILE = '''
 import os
 import time
@@ -122,6 +135,7 @@ def main() -> None:
         with open(os.path.join(directory, "mp_bench.py"), "w") as fh:
             fh.write(MP_SCRIPT)
         rows = []
+        fixed = statistics.median(time_pytest_alone(directory) for _ in range(3))
         for nproc in (2, 4):
             warm_total, warm_tests = run_pytest(directory, nproc, [])
             fresh_total, _ = run_pytest(directory, nproc, ["--dist-fresh-pool", "--dist-start-method", "spawn"])
@@ -130,12 +144,15 @@ def main() -> None:
             rows.append((nproc, warm_total, fresh_total, mp_total, dispatch_ms))
         print(f"{N_TESTS} small distributed tests (one all_reduce each), {os.cpu_count()} cores")
         print(f"{'nproc':>5} {'warm pool s':>12} {'spawn/test s':>13} {'mp.spawn/test s':>16} "
-              f"{'spawn/warm':>11} {'mp.spawn/warm':>14} {'warm per-test ms':>17}")
+              f"{'spawn/warm':>11} {'mp.spawn/warm':>14} {'warm per-test ms':>17} {'spawn/warm less pytest':>23}")
         for nproc, warm, fresh, mp_total, dispatch in rows:
+            net = (fresh - fixed) / max(warm - fixed, 1e-3)
             print(f"{nproc:>5} {warm:>12.2f} {fresh:>13.2f} {mp_total:>16.2f} "
-                  f"{fresh / warm:>10.1f}x {mp_total / warm:>13.1f}x {dispatch:>17.1f}")
+                  f"{fresh / warm:>10.1f}x {mp_total / warm:>13.1f}x {dispatch:>17.1f} {net:>22.1f}x")
         print("warm pool totals include pytest start-up and the one-time fork-server start;"
               " per-test ms is the median pytest-measured time of tests 2..20 (dispatch + body + reset)")
+        print(f"pytest alone (the same session, every test deselected; both ways pay it): {fixed:.2f} s;"
+              " the last column compares what remains")
         for nproc in (2, 4):
             print(f"Ctrl-C with {nproc} ranks inside a test body: pytest exits {time_interrupt(directory, nproc):.2f} s after SIGINT")
 
