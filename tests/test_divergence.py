@@ -246,7 +246,8 @@ def test_a_norm_over_a_local_shard_is_located_at_its_mean_and_the_right_one_nowh
     assert first_divergence_location(_Failed(), _sharded_probe(case, x, bug=False), case) is None
     where = first_divergence_location(_Failed(), _sharded_probe(case, x, bug=True), case)
     assert where is not None and (where["module"], where["op"], where["rank"]) == ("norm", "aten.mean.dim", 0), where
-    assert where["compared"].startswith("whole; op aligned exact") and where["max_abs"] > where["module_max_abs"] / 100
+    assert where["compared"].startswith("whole; nor as a partial: its sum over the tensor-parallel group [0, 1]")
+    assert "; op aligned exact" in where["compared"] and where["max_abs"] > where["module_max_abs"] / 100
     assert "op aten.mean.dim of module 'norm'" in where["line"]
 
 
@@ -275,7 +276,14 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     ("tests/custom_loops/tp_norm_on_local_shard.py", "forward", "blocks.0.norm", 0, "aten.native_layer_norm.default"),
     # vocab-parallel cross entropy that lets the padded logit in: the forward matches up to the
     # model's output (the head's padded shard compared on its real rows), the loss does not
-    ("tests/custom_loops/vocab_parallel_padded_loss.py", "loss", "<loss>", 0, None),
+    # - and inside the loss (its ops against the reference's cross entropy decomposed), the sum
+    # of exponentials over the rank's padded shard: a partial sum that no longer sums to the
+    # reference's normaliser
+    ("tests/custom_loops/vocab_parallel_padded_loss.py", "loss", "<loss>", 0, "aten.sum.dim_IntList"),
+    # the target's logit read without the shard's offset: the normaliser (log of the summed
+    # exponentials) still matches, the per-token loss built from the target's logit has no
+    # counterpart, the loss's mean departs
+    ("tests/custom_loops/vocab_parallel_padded_loss.py:target_not_offset", "loss", "<loss>", 0, "aten.mean.default"),
     # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
     ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
     # a column-parallel layer whose input's gradient is never all-reduced (the "copy to the
@@ -292,7 +300,7 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     # run: stale master weights copied over step 0's update (step 1, the first layer's matmul),
     # a validation pass's model.eval() never undone (step 1, the first dropout, by its mode)
     ("tests/custom_loops/stale_master_weights.py", "forward", "fc1", 0, "aten.addmm.default"),
-    ("tests/custom_loops/eval_mode_after_validation.py", "forward", "dropout", 0, None),
+    ("tests/custom_loops/eval_mode_after_validation.py", "forward", "dropout", 0, "aten.bernoulli_.float"),
 ])
 def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache, tmp_path, target: str, phase: str,
                                                    module: str, rank: int | None, op: str) -> None:
@@ -313,6 +321,13 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
             ("blocks.1.norm", [0, 1], "AddmmBackward0"), where[0]
     if target.endswith(("stale_master_weights.py", "eval_mode_after_validation.py")):
         assert where[0]["step"] == 1 and "of step 1" in where[0]["line"], where[0]
+    if target.endswith("vocab_parallel_padded_loss.py"):
+        assert where[0]["last_matched"]["op"] == "aten.exp.default" and "partial" in where[0]["op_compared"], where[0]
+        assert "the first op of the loss beyond the rule: aten.sum.dim_IntList" in where[0]["line"]
+    if target.endswith(":target_not_offset"):
+        assert (where[0]["last_matched"]["op"], where[0]["unpaired_before"]) == ("aten.log.default", ["aten.sub.Tensor"]), where[0]
+    if target.endswith("eval_mode_after_validation.py"):
+        assert where[0]["eval_mode"] and "never ran" in where[0]["line"], where[0]
     if module == "<data>":
         assert (where[0]["step"], where[0]["same_as_reference_step"]) == (4, 0) and "set_epoch" in where[0]["line"], where[0]
 
@@ -448,3 +463,82 @@ def test_a_padded_shard_is_compared_on_its_real_rows() -> None:
     assert _judge(held[1], None, whole, 1, [0, 1], lambda: None, 2e-3, 2e-4).status == "departs"
     # More than a padded split can hold (three ranks' worth on a 2-rank group): not compared.
     assert _judge(torch.randn(4, 48), None, whole, 1, [0, 1], lambda: None, 2e-3, 2e-4) is None
+
+
+def test_a_local_max_or_sum_over_a_vocabulary_shard_is_a_partial_and_a_kept_dim_compares() -> None:
+    from harness.analysis.divergence.values import judge as _judge
+
+    # Each rank's max (and sum) over its half of the vocabulary, against the reference's over
+    # the whole with keepdim=True: a partial that the all-reduce (MAX, SUM) completes.
+    logits = torch.randn(6, 32)
+    halves = logits.chunk(2, 1)
+    local_max = {r: halves[r].amax(1) for r in (0, 1)}
+    whole_max = logits.amax(1, keepdim=True)
+    for r in (0, 1):
+        judged = _judge(local_max[r], None, whole_max, r, [0, 1], lambda: local_max[0] + local_max[1], 2e-3, 2e-4,
+                        group_max=lambda: torch.maximum(local_max[0], local_max[1]))
+        assert (judged.status, judged.compared) == ("partial", "max over the tensor-parallel group [0, 1]"), judged
+    local_sum = {r: halves[r].exp().sum(1) for r in (0, 1)}
+    judged = _judge(local_sum[0], None, logits.exp().sum(1, keepdim=True), 0, [0, 1], lambda: local_sum[0] + local_sum[1],
+                    2e-3, 2e-4, group_max=lambda: torch.maximum(local_sum[0], local_sum[1]))
+    assert judged.status == "partial" and judged.compared.startswith("sum"), judged
+    # A sum that gained a pad column's exp(0 - max) on one rank sums to the reference's by neither rule.
+    padded = local_sum[1] + torch.exp(-logits.amax(1))
+    judged = _judge(padded, None, logits.exp().sum(1, keepdim=True), 1, [0, 1], lambda: local_sum[0] + padded, 2e-3, 2e-4,
+                    group_max=lambda: torch.maximum(local_sum[0], padded))
+    assert judged.status == "departs" and "nor as a partial" in judged.compared, judged
+
+
+def test_the_reference_loss_is_logged_decomposed_into_the_ops_a_hand_written_loss_uses() -> None:
+    import torch.nn.functional as F
+
+    from harness.record.probe import LOSS, loss_op_log
+
+    x, y = torch.randn(6, 31), torch.randint(0, 31, (6,))
+    ops = loss_op_log(lambda: F.cross_entropy(x, y))
+    names = [o.op for o in ops]
+    assert {o.module for o in ops} == {LOSS}
+    for op in ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default", "aten.sum.dim_IntList", "aten.log.default",
+               "aten.gather.default", "aten.neg.default", "aten.div.Tensor"):
+        assert op in names, names
+    assert not any("log_softmax" in n or "nll_loss" in n for n in names), names
+    assert torch.allclose(ops[-1].output, F.cross_entropy(x, y))
+
+
+def test_the_probe_logs_the_loss_after_the_forward_until_the_backward_and_leaves_no_mode_behind() -> None:
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    from harness.record.probe import LOSS, OUTPUT, ActivationProbe
+
+    model = CASE.build_model("cpu")
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    probe = ActivationProbe()
+    probe.attach([model])
+    out = model(x)
+    assert _get_current_dispatch_mode() is not None  # the op log goes on for the loss
+    loss = F.mse_loss(out.tanh(), y)
+    loss.backward()  # its ops are the backward's, not the loss's
+    probe.end_loss_log()
+    assert _get_current_dispatch_mode() is None
+    probe.detach()
+    in_loss = [o.op for o in probe.ops if o.module == LOSS]
+    assert in_loss[0] == "aten.tanh.default" and "aten.mse_loss.default" in in_loss, in_loss
+    assert not any("backward" in o.op for o in probe.ops) and len(in_loss) == 2, in_loss
+    assert probe.captures[OUTPUT].output.shape == out.shape
+
+    class UserMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    # A mode the user entered after the forward and still holds is never popped by the probe.
+    probe = ActivationProbe()
+    probe.attach([model])
+    out = model(x)
+    with UserMode() as mine:
+        probe.end_loss_log()
+        assert _get_current_dispatch_mode() is mine
+        F.mse_loss(out, y)
+    probe.detach()  # the user's mode is gone: the probe's leaves now
+    assert _get_current_dispatch_mode() is None
+    assert not any(o.module == LOSS and o.op == "aten.mse_loss.default" for o in probe.ops)

@@ -18,7 +18,7 @@ import torch
 from reference.case import Case, map_tensors, tensors_in
 
 from harness.codes import Diagnosis
-from harness.record.probe import OUTPUT, BackwardLog, OpCapture, ProbeData, module_outputs, op_log
+from harness.record.probe import OUTPUT, BackwardLog, OpCapture, ProbeData, loss_op_log, module_outputs, op_log
 
 __all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_backward", "reference_grads", "reference_loss", "reference_ops", "reference_outputs"]
 
@@ -68,7 +68,13 @@ def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, 
             except Exception:  # noqa: BLE001 - an output the loss cannot take: no backward to compare
                 grads.clear()
                 backward.events.clear()
-    return Replay(outs, ops, map_tensors(lambda t: t.detach(), output), grads, backward.events)
+    detached = map_tensors(lambda t: t.detach(), output)
+    if targets is not None:
+        try:  # the loss's own ops (module LOSS), decomposed: where a loss written by hand departs
+            ops = ops + loss_op_log(lambda: case.compute_loss(detached, targets))
+        except Exception:  # noqa: BLE001 - an output the loss cannot take: no loss ops to compare
+            pass
+    return Replay(outs, ops, detached, grads, backward.events)
 
 
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:

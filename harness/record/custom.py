@@ -356,6 +356,8 @@ class CustomRun:
         rec = self._rec("before_step")
         self._check_resumed_step(step, "before_step")
         self._step(step)
+        if self.probe is not None:
+            self.probe.end_loss_log()  # the probe's op log sits above the draw logs: the modes are a stack
         rec.stop_draws()  # inside the tracer's log: the modes are a stack
         if self.tracer is not None:
             self.tracer.log_random_ops(False)
@@ -396,11 +398,15 @@ class CustomRun:
 
     def stop_draws(self) -> None:
         """Local: stop logging the loop's random draws (the loop ended, or raised)."""
+        if self.probe is not None:
+            self.probe.end_loss_log()
         if self.recorder is not None:
             self.recorder.stop_draws()
 
     def finish(self, *, complete: bool = True) -> Any:
         if self.recorder is None:
             raise RecorderError("the custom train function never called run.watch(model, optimizer, layout)")
+        if self.probe is not None:
+            self.probe.end_loss_log()
         self.recorder.stop_draws()
         return self.recorder.finish(complete=complete)

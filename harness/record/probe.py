@@ -39,9 +39,13 @@ from reference.case import Batch, Case, map_tensors
 
 from harness.record.gather import reference_name
 
-__all__ = ["GRAD_MARKER", "OUTPUT", "ActivationProbe", "BackwardLog", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "op_log", "probe_entry"]
+__all__ = ["GRAD_MARKER", "LOSS", "OUTPUT", "ActivationProbe", "BackwardLog", "DecomposedOpLog", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "loss_op_log", "op_log", "probe_entry"]
 
 OUTPUT = "<output>"  # capture name of the whole model's output
+# The module of the ops a rank runs after its model's forward and before its backward: the loss
+# computed outside the model (a vocab-parallel cross entropy written by hand), logged on until
+# the backward's first op; the reference's own loss is logged with its composite ops decomposed.
+LOSS = "<loss>"
 
 
 def _tensors_depth_first(value: Any, depth: int = 0) -> Any:
@@ -137,7 +141,7 @@ _LAYOUT_OPS = frozenset({
     "detach", "alias", "clone", "copy_", "_to_copy", "contiguous", "_unsafe_view", "lift_fresh", "lift_fresh_copy",
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
     "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "scalar_tensor", "_local_scalar_dense",
-    "arange", "set_", "resize_", "as_strided_", "split_with_sizes_copy", "stack", "cat",
+    "arange", "set_", "resize_", "as_strided_", "split_with_sizes_copy", "stack", "cat", "to",
 })
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor"})
 
@@ -161,13 +165,22 @@ class OpLog(TorchDispatchMode):
         self.ops: list[OpCapture] = []
         self.skipped = 0
         self.paused = 0  # > 0 while the harness's own hooks run inside the logged forward
+        # Set once the model's forward returned: the ops that follow are the loss's (module
+        # ``region``) until the backward's first op ends the log (``ended``: ops pass through).
+        self.region: str | None = None
+        self.ended = False
+
+    def _module(self) -> str:
+        return self.region if self.region is not None else (self.stack[-1] if self.stack else "")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.region is not None and not self.ended and torch._C._current_autograd_node() is not None:
+            self.ended = True  # the backward began: the loss is computed
         out = func(*args, **(kwargs or {}))
-        if self.paused:
+        if self.paused or self.ended:
             return out
         if getattr(func, "namespace", "aten") in _COLLECTIVE_NAMESPACES:
-            self.ops.append(OpCapture(self.stack[-1] if self.stack else "", str(func), None))
+            self.ops.append(OpCapture(self._module(), str(func), None))
         elif not _is_layout_op(func):
             try:
                 self._keep(func, out)
@@ -189,7 +202,39 @@ class OpLog(TorchDispatchMode):
             placements = str(tuple(t.placements))
             t = t.to_local()
         self.budget -= t.numel()
-        self.ops.append(OpCapture(self.stack[-1] if self.stack else "", str(func), t.detach().float().cpu().clone(), placements))
+        self.ops.append(OpCapture(self._module(), str(func), t.detach().float().cpu().clone(), placements))
+
+
+# The reference's loss is logged with its composite ops decomposed into the ops a hand-written
+# loss is made of (log_softmax as amax, sub, exp, sum, log, sub; nll_loss as gather, neg, sum,
+# div), so a parallel loss written from those ops aligns with it op by op.
+_LOSS_DECOMPOSED = ("_log_softmax", "_softmax", "logsumexp", "nll_loss_forward", "nll_loss2d_forward", "mse_loss",
+                    "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits")
+
+
+class DecomposedOpLog(OpLog):
+    """An :class:`OpLog` that runs the loss functions' composite ops by their decompositions
+    (``torch._decomp``), logging the ops they are made of."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch._decomp import decomposition_table
+
+        packet = getattr(func, "overloadpacket", None)
+        decomposition = decomposition_table.get(func) if getattr(packet, "__name__", "") in _LOSS_DECOMPOSED else None
+        if decomposition is not None:
+            with self:  # the decomposition's own ops come back through this mode
+                return decomposition(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def loss_op_log(call: Callable[[], Any]) -> list[OpCapture]:
+    """The ops of one loss computation ``call()`` (no autograd), its composite ops decomposed
+    (:class:`DecomposedOpLog`), each with module :data:`LOSS`."""
+    log = DecomposedOpLog([])
+    log.region = LOSS
+    with torch.no_grad(), log:
+        call()
+    return log.ops
 
 
 def track_modules(models: list[nn.Module], stack: list[str]) -> list[Any]:
@@ -360,6 +405,7 @@ class ActivationProbe:
         return self.armed and torch.is_grad_enabled()
 
     def _start_log(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.end_loss_log()  # another forward: the loss of the first one is computed
         if self._logged or self._log is not None or not self._keeping():
             return
         if self.input is None:  # a loop that reads its own batches: the forward's own input
@@ -372,11 +418,27 @@ class ActivationProbe:
         self._log.__enter__()
 
     def _stop_log(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._log is None:
+        if self._log is None or self._log.region is not None:
             return
-        log, self._log = self._log, None
-        log.__exit__(None, None, None)
-        self.ops, self._logged = log.ops, True
+        # The forward returned: the mode stays for the loss computed from its output (module
+        # LOSS) until the backward's first op; it is left where the harness next runs
+        # (end_loss_log: the next forward, run.before_step, the strategy's forward_backward).
+        self._log.region = LOSS
+        self.ops, self._logged = self._log.ops, True
+
+    def end_loss_log(self) -> None:
+        """Leave the op log that went on past the forward for its loss. A dispatch mode is a
+        stack: one the user entered after the forward and has not left yet stays above it,
+        so the log only stops logging then and is left at a later call (or :meth:`detach`)."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        log = self._log
+        if log is None or log.region is None:
+            return
+        log.ended = True
+        if _get_current_dispatch_mode() is log:
+            self._log = None
+            log.__exit__(None, None, None)
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -457,9 +519,12 @@ class ActivationProbe:
         self.loss = loss.detach().float().cpu().clone().reshape(())
 
     def detach(self) -> None:
-        if self._log is not None:  # a forward that never finished: no half log
+        self.end_loss_log()
+        if self._log is not None and self._log.region is None:  # a forward that never finished: no half log
             log, self._log = self._log, None
             log.__exit__(None, None, None)
+        # (A loss log under a mode the user entered after the forward and still holds stays
+        # on the stack, passing every op through: leaving it would pop the user's mode.)
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -70,7 +70,7 @@ class VocabParallelHead(nn.Module):
         return F.linear(_CopyToShards.apply(x), weight, bias)
 
 
-def vocab_parallel_cross_entropy(logits, targets, head, bug):
+def vocab_parallel_cross_entropy(logits, targets, head, bug, target_offset=True):
     """Mean cross entropy over every position, from each rank's slice of the (padded) vocab."""
     logits = logits.flatten(0, -2).float()
     targets = targets.flatten()
@@ -81,14 +81,16 @@ def vocab_parallel_cross_entropy(logits, targets, head, bug):
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     shifted = logits - top
     sum_exp = _ReducePartial.apply(shifted.exp().sum(-1))
-    local = targets - head.start
+    # BUG when not target_offset: each rank reads the target's logit at the global index in its
+    # local slice (no shift by the slice's start), so rank 1 picks the wrong tokens' logits.
+    local = targets - head.start if target_offset else targets
     mine = (local >= 0) & (local < head.real)
     picked = shifted.gather(1, torch.where(mine, local, 0)[:, None]).squeeze(1)
     target_logit = _ReducePartial.apply(torch.where(mine, picked, torch.zeros_like(picked)))
     return (sum_exp.log() - target_logit).mean()
 
 
-def train(ctx, run, bug=None):
+def train(ctx, run, bug=None, target_offset=True):
     bug = BUG if bug is None else bug
     model = CASE.build_model(ctx.device)
     model.head = VocabParallelHead(model.head, ctx.rank, ctx.world_size)
@@ -97,7 +99,7 @@ def train(ctx, run, bug=None):
     run.watch(model, optimizer, ParallelDims(tp=ctx.world_size).layout(ctx.rank))
     for step in range(run.steps):
         for batch in run.batches(step):
-            loss = vocab_parallel_cross_entropy(model(batch.inputs), batch.targets, model.head, bug)
+            loss = vocab_parallel_cross_entropy(model(batch.inputs), batch.targets, model.head, bug, target_offset)
             (loss * run.loss_weight(batch)).backward()
             run.loss(step, loss if run.layout.holds_loss else None, batch.ids)
         run.before_step(step)
@@ -108,3 +110,8 @@ def train(ctx, run, bug=None):
 
 def correct(ctx, run):
     train(ctx, run, bug=False)
+
+
+def target_not_offset(ctx, run):
+    """The pad columns masked (that bug fixed), but the target's logit read without the slice's offset."""
+    train(ctx, run, bug=False, target_offset=False)

@@ -13,9 +13,9 @@ from reference.case import Case
 
 from harness.analysis.compare import CompareResult
 from harness.analysis.divergence.steps import first_failing_step
-from harness.analysis.divergence.values import aligned, difference, group_sum, judge, peer_sum, tolerance, tp_of
+from harness.analysis.divergence.values import aligned, corresponding, difference, group_sum, judge, peer_sum, tolerance, tp_of
 from harness.analysis.probe_checks import reference_loss, reference_ops, reference_outputs
-from harness.record.probe import OUTPUT, OpCapture, ProbeData
+from harness.record.probe import LOSS, OUTPUT, OpCapture, ProbeData
 
 __all__ = ["forward_location", "input_location", "loss_location"]
 
@@ -115,7 +115,18 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
     if matched is not None and first is None:
         matched += [n for n, count in compared_on.items() if count == probed]
     if first is not None and first.get("eval_mode"):
-        first.pop("position"), first.pop("_name")
+        first.pop("position")
+        name = first.pop("_name")
+        try:  # the op the reference runs there and the rank did not: its mask's draw
+            skipped = [o.op for o in reference_ops(data, first["rank"], case) if o.module == name]
+        except Exception:  # noqa: BLE001 - the module is evidence enough without its op
+            skipped = []
+        mine = {o.op for o in by_rank[first["rank"]].get("ops") or [] if o.module == name}
+        missing = [op for op in skipped if op not in mine]
+        if missing:
+            first["op"], first["op_module"] = missing[0], name
+            first["op_note"] = (f"the reference's first op in {name!r}; the rank ran none of its "
+                                f"{', '.join(dict.fromkeys(missing))} there")
         return first
     if first is not None:
         first.pop("position")
@@ -151,6 +162,7 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
     ref_ops = reference_ops(data, rank, case)
     coord, group = tp_of(entry)
     peers_sum = peer_sum(by_rank, group, "ops", held_ops)
+    peers_max = peer_sum(by_rank, group, "ops", held_ops, reduce="max")
 
     def scan(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], scope: str,
              only: Callable[[OpCapture], bool] = lambda o: True) -> tuple[dict[str, Any] | None, OpCapture | None]:
@@ -163,7 +175,8 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
         for mine, theirs, how in pairs:
             if not only(mine):
                 continue
-            judged = judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine), rtol, atol)
+            judged = judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine), rtol, atol,
+                           group_max=lambda: peers_max(mine))
             if judged is None:
                 continue
             hit = judged.status == "partial" if partial else judged.status == "departs"
@@ -180,6 +193,12 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
             where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
                      "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:]}
             since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
+            if last_within is not None:
+                where["last_matched"] = {"op": last_within.op, "module": last_within.module or "<model output>"}
+            paired = {id(p[0]) for p in pairs}
+            unpaired = [o.op for o in since if o.output is not None and id(o) not in paired]
+            if unpaired:  # computed between the last op that matched and this one, with no reference counterpart
+                where["unpaired_before"] = unpaired[:8]
             collective = next((o for o in reversed(since) if o.output is None), None)
             if collective is not None:
                 where["after_collective"] = {"op": collective.op, "module": collective.module or "<model output>"}
@@ -192,7 +211,7 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
                     "compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
         return None, last_within
 
-    if module and not partial:
+    if module and module != LOSS and not partial:
         # What the module's parents compute inline before it (a norm written as plain calls in
         # a block's forward) reaches the module as its input: the first op of a parent that
         # departs before the module's own ops is where the values left the reference.
@@ -203,15 +222,20 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
                         lambda o: o.module in ancestors and id(o) in before)
         if found is not None:
             return {**found, "inline_before": module}
-    scopes = [("in the module itself", lambda m: m == module)]
-    if module:
+    scopes = [("in the loss computed from the model's output, against the reference's loss decomposed into its ops"
+               if module == LOSS else "in the module itself", lambda m: m == module)]
+    if module and module != LOSS:
         scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
-    else:  # the model's own forward: what it computes inline runs in the reference's submodules
-        scopes.append(("in the whole forward, aligned regardless of modules", lambda m: True))
+    elif not module:  # the model's own forward: what it computes inline runs in the reference's submodules
+        scopes.append(("in the whole forward, aligned regardless of modules", lambda m: m != LOSS))
     for scope, inside in scopes:
         held = [o for o in held_ops if inside(o.module)]
         ref = [o for o in ref_ops if inside(o.module)]
+        if module == LOSS:
+            held = _up_to_the_loss(held, entry.get("loss"))
         pairs = aligned(held, ref)
+        if module == LOSS:
+            pairs = _confirmed_by_value(pairs, held, ref, coord, group, peers_sum, peers_max, rtol, atol)
         found, last_within = scan(pairs, held, scope)
         if found is not None:
             return found
@@ -223,6 +247,48 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
                                f"change at this collective after {last_within.op if last_within else 'the start'}"}
     return {"op_note": f"no single op of {module or 'the model forward'!r} departs by itself "
                        "(the module's output does; ops compared by placement and aligned by name)"}
+
+
+def _up_to_the_loss(held: list[OpCapture], loss: torch.Tensor | None) -> list[OpCapture]:
+    """A rank's loss ops up to the first one whose output is the loss it reported: what follows
+    (``loss * run.loss_weight(batch)``, a copy for logging) is no part of the loss."""
+    if loss is None:
+        return held
+    first = next((i for i, o in enumerate(held) if o.output is not None and o.output.numel() == 1
+                  and torch.equal(o.output.reshape(()), loss.reshape(()).to(o.output.dtype))), None)
+    return held if first is None else held[:first + 1]
+
+
+def _confirmed_by_value(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], ref: list[OpCapture],
+                        coord: int | None, group: list[int], peers_sum: Callable[[OpCapture], torch.Tensor | None],
+                        peers_max: Callable[[OpCapture], torch.Tensor | None], rtol: float,
+                        atol: float) -> list[tuple[OpCapture, OpCapture, str]]:
+    """``pairs`` with the held ops that name alignment left unpaired paired "by value" where an
+    unpaired reference op of the loss matches them by placement (a per-token loss written as
+    ``lse - target_logit`` is the reference's ``neg`` of its gathered log-probability). Only a
+    match pairs: an op no reference value confirms stays unpaired, never a departure."""
+    def comparable(pair: tuple[OpCapture, OpCapture, str]) -> bool:
+        mine, theirs, _ = pair
+        return corresponding(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine)) is not None
+
+    pairs = [p for p in pairs if comparable(p)]  # a name paired with a value of another shape is no counterpart
+    used = {id(p[0]) for p in pairs} | {id(p[1]) for p in pairs}
+    candidates = [o for o in ref if o.output is not None and id(o) not in used]
+    confirmed: dict[int, tuple[OpCapture, OpCapture, str]] = {}
+    for mine in held:
+        if mine.output is None or id(mine) in used:
+            continue
+        for theirs in candidates:
+            if id(theirs) in used:
+                continue
+            judged = judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine), rtol, atol,
+                           group_max=lambda: peers_max(mine))
+            if judged is not None and judged.status in ("within", "partial"):
+                confirmed[id(mine)] = (mine, theirs, f"by value (with the reference's {theirs.op})")
+                used.add(id(theirs))
+                break
+    by_held = {id(p[0]): p for p in pairs} | confirmed
+    return [by_held[id(o)] for o in held if id(o) in by_held]
 
 
 def loss_location(comparison: CompareResult, probe: ProbeData | None, case: Case, matched: list[str]) -> dict[str, Any] | None:
@@ -255,10 +321,23 @@ def loss_location(comparison: CompareResult, probe: ProbeData | None, case: Case
     whole = OUTPUT in matched
     last = next((n for n in reversed(matched) if n != OUTPUT), None)
     after = "the model's output" if whole else f"module {last!r}, the last module output compared"
-    return {"phase": "loss", "module": "<loss>" if whole else f"after {last}", "module_type": None, "op": None,
-            "rank": rank, "step": probe.step, "max_abs": max_abs, "max_rel": max_rel,
-            "tolerance": {"rtol": rtol, "atol": atol, "of": "|reference loss|"},
-            "compared": f"rank {rank}'s loss on its first micro-batch is {held:.6g}, the reference's on the same inputs and "
-                        f"targets {expected:.6g}; the forward matches in every module output compared on every rank "
-                        f"({len(matched)}, up to {after})",
-            "matched_modules": len(matched), "model_output_compared": whole}
+    found = {"phase": "loss", "module": LOSS if whole else f"after {last}", "module_type": None, "op": None,
+             "rank": rank, "step": probe.step, "max_abs": max_abs, "max_rel": max_rel,
+             "tolerance": {"rtol": rtol, "atol": atol, "of": "|reference loss|"},
+             "compared": f"rank {rank}'s loss on its first micro-batch is {held:.6g}, the reference's on the same inputs and "
+                         f"targets {expected:.6g}; the forward matches in every module output compared on every rank "
+                         f"({len(matched)}, up to {after})",
+             "matched_modules": len(matched), "model_output_compared": whole}
+    if whole:
+        # The op inside the loss: the rank's ops after its forward (before its backward) aligned
+        # with the reference's loss decomposed into its ops (log_softmax as amax, sub, exp, sum,
+        # log, sub), compared by placement - a local max or sum over a vocabulary shard is a
+        # partial that an all-reduce completes, a padded shard is compared on its real rows.
+        try:
+            op = _op_location(probe, case, rank, LOSS, partial=False, rtol=rtol, atol=atol)
+        except Exception as exc:  # noqa: BLE001 - the loss is evidence enough without its op
+            op = {"op_note": f"the op inside the loss was not located: {type(exc).__name__}: {exc}"}
+        if "max_abs" in op:
+            op["op_max_abs"], op["op_max_rel"], op["op_compared"] = op.pop("max_abs"), op.pop("max_rel"), op.pop("compared")
+        found.update(op)
+    return found

@@ -25,7 +25,18 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc["phase"] == "loss":
         where = "in the loss computation after the model's forward" if loc.get("model_output_compared") else \
             f"between {loc['module'].removeprefix('after ')!r} and the loss (the model's output itself could not be compared)"
-        return f"departs {where} at step {loc['step']} on rank {loc['rank']}: {loc['compared']}"
+        line = f"departs {where} at step {loc['step']} on rank {loc['rank']}: {loc['compared']}"
+        if loc.get("op") and "op_max_abs" in loc:
+            line += (f"; the first op of the loss beyond the rule: {loc['op']} (max abs {loc['op_max_abs']:.3g}, "
+                     f"{loc['op_max_rel']:.3g} of its largest value; compared with the reference's {loc['op_compared']})")
+            if loc.get("last_matched"):
+                line += f"; the last op that matched before it: {loc['last_matched']['op']}"
+            if loc.get("unpaired_before"):
+                line += (f"; computed between them, with no counterpart in the reference's loss: "
+                         f"{', '.join(loc['unpaired_before'])}")
+        elif loc.get("op"):
+            line += f"; the values change at {loc['op']}" + (f" ({loc['op_note']})" if loc.get("op_note") else "")
+        return line
     if loc["phase"] == "backward" and loc.get("activation"):
         if loc["module"] == "<loss>":
             return (f"departs in the backward of step {loc['step']} on rank {loc['rank']}, in the loss's own backward: the gradient "
@@ -54,8 +65,9 @@ def location_line(loc: dict[str, Any]) -> str:
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
     if loc.get("eval_mode"):
+        skipped = f": the reference's {loc['op']} never ran" if loc.get("op") else ""
         return (f"departs in the forward of step {loc['step']} at module {loc['module']!r} ({loc['module_type']}) on rank "
-                f"{loc['rank']}: it ran in eval mode (no mask drawn) where the reference trains it - a model.eval() "
+                f"{loc['rank']}: it ran in eval mode (no mask drawn{skipped}) where the reference trains it - a model.eval() "
                 "not undone by model.train()?")
     tol = loc["tolerance"]
     at = f"module {loc['module']!r} ({loc['module_type']})"

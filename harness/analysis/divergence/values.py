@@ -57,14 +57,15 @@ def tp_of(entry: dict[str, Any]) -> tuple[int | None, list[int]]:
     return (int(coord) if coord is not None else None), group
 
 
-def summed(held: list[Any], shape: torch.Size, value: str = "output") -> torch.Tensor | None:
-    """The sum of the group's held values (captures or ops; their ``output``, or another
-    attribute such as a capture's ``grad``), or None where the group is empty or one of them
-    has no such value of that shape."""
+def summed(held: list[Any], shape: torch.Size, value: str = "output", reduce: str = "sum") -> torch.Tensor | None:
+    """The sum (``reduce="max"``: the elementwise max) of the group's held values (captures or
+    ops; their ``output``, or another attribute such as a capture's ``grad``), or None where
+    the group is empty or one of them has no such value of that shape."""
     values = [getattr(h, value, None) if h is not None else None for h in held]
     if not values or any(v is None or v.shape != shape for v in values):
         return None
-    return torch.stack(values).sum(0)
+    stacked = torch.stack(values)
+    return stacked.amax(0) if reduce == "max" else stacked.sum(0)
 
 
 def group_sum(by_rank: dict[int, dict[str, Any]], group: list[int], name: str, shape: torch.Size,
@@ -92,6 +93,9 @@ def corresponding(local: torch.Tensor, placements: str | None, expected: torch.T
     the layout does not say how they correspond."""
     kind, dim = placement_kind(placements)
     compared = "whole"
+    if kind in ("plain", "partial", "whole") and local.shape != expected.shape \
+            and [n for n in local.shape if n != 1] == [n for n in expected.shape if n != 1]:
+        expected = expected.reshape(local.shape)  # the same values, a kept dim of size 1 apart (sum(keepdim=True))
     if kind == "shard" or (kind == "plain" and local.shape != expected.shape):
         if kind == "plain":
             differing = [d for d in range(local.dim()) if local.shape[d] != expected.shape[d]] \
@@ -131,9 +135,13 @@ def corresponding(local: torch.Tensor, placements: str | None, expected: torch.T
 
 
 def judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, coord: int | None, group: list[int],
-           group_sum: Callable[[], torch.Tensor | None], rtol: float, atol: float) -> Judged | None:
+           group_sum: Callable[[], torch.Tensor | None], rtol: float, atol: float,
+           group_max: Callable[[], torch.Tensor | None] | None = None) -> Judged | None:
     """Compare what a rank holds with the reference's value by its placement (module
-    docstring); None where the layout does not say how they correspond (not compared)."""
+    docstring); None where the layout does not say how they correspond (not compared).
+    ``group_max`` (ops only): the elementwise max over the group - a plain value that matches
+    only as that is a partial max (a local max over a vocabulary shard) an all-reduce(MAX)
+    completes, like a partial sum."""
     pieces = corresponding(local, placements, expected, coord, group, group_sum)
     if pieces is None:
         return None
@@ -142,9 +150,19 @@ def judge(local: torch.Tensor, placements: str | None, expected: torch.Tensor, c
     if within:
         return Judged("partial" if kind == "partial" else "within", max_abs, max_rel, compared)
     if kind == "plain" and compared == "whole" and len(group) > 1:
-        summed = group_sum()
-        if summed is not None and difference(summed, expected, rtol, atol)[0]:
-            return Judged("partial", max_abs, max_rel, f"sum over the tensor-parallel group {group}")
+        tried = []
+        for reduce, total in (("sum", group_sum), ("max", group_max)):
+            value = total() if total is not None else None
+            if value is not None and value.shape != expected.shape and value.numel() == expected.numel():
+                value = value.reshape(expected.shape)
+            if value is None:
+                continue
+            reduced_within, reduced_abs, _ = difference(value, expected, rtol, atol)
+            if reduced_within:
+                return Judged("partial", max_abs, max_rel, f"{reduce} over the tensor-parallel group {group}")
+            tried.append(f"its {reduce} over the tensor-parallel group {group} by max abs {reduced_abs:.3g}")
+        if tried:
+            compared = f"whole; nor as a partial: {', '.join(tried)}"
     return Judged("departs", max_abs, max_rel, compared)
 
 
@@ -189,15 +207,15 @@ def aligned(held: list[OpCapture], ref: list[OpCapture]) -> list[tuple[OpCapture
 
 
 def peer_sum(by_rank: dict[int, dict[str, Any]], group: list[int], log: str,
-             held: list[OpCapture]) -> Callable[[OpCapture], torch.Tensor | None]:
-    """For an op of ``held`` (one rank's log ``log``: "ops", "backward_ops"), the sum of its
-    output over the ranks of ``group`` - each rank's op of the same key (:func:`keyed`); None
-    where one of them has none of that shape."""
+             held: list[OpCapture], reduce: str = "sum") -> Callable[[OpCapture], torch.Tensor | None]:
+    """For an op of ``held`` (one rank's log ``log``: "ops", "backward_ops"), the sum (or
+    ``reduce="max"``: the max) of its output over the ranks of ``group`` - each rank's op of
+    the same key (:func:`keyed`); None where one of them has none of that shape."""
     peers = {r: keyed(by_rank[r].get(log) or []) for r in group if r in by_rank}
     keys = {id(o): k for k, o in keyed(held).items()}
 
     def total(op: OpCapture) -> torch.Tensor | None:
-        return summed([peers[r].get(keys[id(op)]) for r in group if r in peers], op.output.shape)
+        return summed([peers[r].get(keys[id(op)]) for r in group if r in peers], op.output.shape, reduce=reduce)
 
     return total
 
