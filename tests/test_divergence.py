@@ -284,6 +284,11 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     # exponentials) still matches, the per-token loss built from the target's logit has no
     # counterpart, the loss's mean departs
     ("tests/custom_loops/vocab_parallel_padded_loss.py:target_not_offset", "loss", "<loss>", 0, "aten.mean.default"),
+    # a loss that calls the same functions as the reference's and computes more after them: its
+    # ops match up to nll_loss_forward, then the rank's extra ops (label smoothing; torch's own
+    # loss_parallel() divided by the TP size) are the location, unpaired
+    ("tests/custom_loops/loss_label_smoothing.py", "loss", "<loss>", 1, "aten.sum.dim_IntList"),
+    ("tests/custom_loops/tp_loss_parallel.py", "loss", "<loss>", 0, "aten.div.Tensor"),
     # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
     ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
     # a column-parallel layer whose input's gradient is never all-reduced (the "copy to the
@@ -326,6 +331,10 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
         assert "the first op of the loss beyond the rule: aten.sum.dim_IntList" in where[0]["line"]
     if target.endswith(":target_not_offset"):
         assert (where[0]["last_matched"]["op"], where[0]["unpaired_before"]) == ("aten.log.default", ["aten.sub.Tensor"]), where[0]
+    if target.endswith(("loss_label_smoothing.py", "tp_loss_parallel.py")):
+        assert report.codes == (["numeric-mismatch"] if "smoothing" in target else ["grad-scaled"]), report.codes
+        assert where[0]["unpaired"] and where[0]["last_matched"]["op"] == "aten.nll_loss_forward.default", where[0]
+        assert "after which the rank computes what the reference's loss has not" in where[0]["line"]
     if target.endswith("eval_mode_after_validation.py"):
         assert where[0]["eval_mode"] and "never ran" in where[0]["line"], where[0]
     if module == "<data>":
@@ -334,6 +343,8 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
 
 @pytest.mark.parametrize("target", ["tests/custom_loops/tp_norm_on_local_shard.py:correct",
                                     "tests/custom_loops/vocab_parallel_padded_loss.py:correct",
+                                    "tests/custom_loops/loss_label_smoothing.py:correct",
+                                    "tests/custom_loops/tp_loss_parallel.py:correct",
                                     "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
                                     "tests/custom_loops/tp_copy_grad_unreduced.py:correct",
                                     "tests/custom_loops/stale_master_weights.py:correct",

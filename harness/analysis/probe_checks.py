@@ -20,7 +20,7 @@ from reference.case import Case, map_tensors, tensors_in
 from harness.codes import Diagnosis
 from harness.record.probe import OUTPUT, BackwardLog, OpCapture, ProbeData, loss_op_log, module_outputs, op_log
 
-__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_backward", "reference_grads", "reference_loss", "reference_ops", "reference_outputs"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_backward", "reference_grads", "reference_loss", "reference_loss_ops", "reference_ops", "reference_outputs"]
 
 # The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
 # ranks moves values by ulps of their magnitude, a bug by orders more.
@@ -35,6 +35,9 @@ class Replay(NamedTuple):
     output: Any  # what the forward returned, detached
     grads: dict[str, torch.Tensor]  # module outputs' gradients, in arrival order (empty without targets)
     backward: list[OpCapture]  # the backward's node log with the gradients' arrival markers (BackwardLog)
+    # The case's loss on the forward's output, logged two ways (how, ops): its composite ops as
+    # they dispatch, and decomposed into the ops a hand-written loss is made of (module LOSS).
+    loss_ops: list[tuple[str, list[OpCapture]]] = []
 
 
 def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, torch.Tensor] | None = None) -> Replay:
@@ -69,12 +72,14 @@ def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, 
                 grads.clear()
                 backward.events.clear()
     detached = map_tensors(lambda t: t.detach(), output)
-    if targets is not None:
-        try:  # the loss's own ops (module LOSS), decomposed: where a loss written by hand departs
-            ops = ops + loss_op_log(lambda: case.compute_loss(detached, targets))
-        except Exception:  # noqa: BLE001 - an output the loss cannot take: no loss ops to compare
-            pass
-    return Replay(outs, ops, detached, grads, backward.events)
+    loss_ops = []
+    if targets is not None:  # where a loss computed outside the model departs
+        for how, decompose in (("decomposed into its ops", True), ("as its composite ops", False)):
+            try:
+                loss_ops.append((how, loss_op_log(lambda: case.compute_loss(detached, targets), decompose=decompose)))
+            except Exception:  # noqa: BLE001 - an output the loss cannot take: no loss ops to compare
+                pass
+    return Replay(outs, ops, detached, grads, backward.events, loss_ops)
 
 
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:
@@ -93,6 +98,13 @@ def reference_ops(data: ProbeData, rank: int, case: Case) -> list[OpCapture]:
     """The reference's op log on ``rank``'s captured input (the same replay)."""
     _replayed(data, rank, case)
     return data.replays[rank].ops
+
+
+def reference_loss_ops(data: ProbeData, rank: int, case: Case) -> list[tuple[str, list[OpCapture]]]:
+    """The reference's loss ops on ``rank``'s probed micro-batch (the same replay), as
+    (how it was logged, ops): composite, and decomposed; empty without targets."""
+    _replayed(data, rank, case)
+    return data.replays[rank].loss_ops
 
 
 def reference_grads(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:

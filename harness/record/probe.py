@@ -227,10 +227,10 @@ class DecomposedOpLog(OpLog):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def loss_op_log(call: Callable[[], Any]) -> list[OpCapture]:
-    """The ops of one loss computation ``call()`` (no autograd), its composite ops decomposed
-    (:class:`DecomposedOpLog`), each with module :data:`LOSS`."""
-    log = DecomposedOpLog([])
+def loss_op_log(call: Callable[[], Any], *, decompose: bool = True) -> list[OpCapture]:
+    """The ops of one loss computation ``call()`` (no autograd), each with module :data:`LOSS`;
+    with ``decompose`` its composite ops decomposed (:class:`DecomposedOpLog`)."""
+    log = DecomposedOpLog([]) if decompose else OpLog([])
     log.region = LOSS
     with torch.no_grad(), log:
         call()

@@ -5,6 +5,7 @@ matched (see :mod:`harness.analysis.divergence`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,8 +14,8 @@ from reference.case import Case
 
 from harness.analysis.compare import CompareResult
 from harness.analysis.divergence.steps import first_failing_step
-from harness.analysis.divergence.values import aligned, corresponding, difference, group_sum, judge, peer_sum, tolerance, tp_of
-from harness.analysis.probe_checks import reference_loss, reference_ops, reference_outputs
+from harness.analysis.divergence.values import Judged, aligned, corresponding, difference, group_sum, judge, peer_sum, tolerance, tp_of
+from harness.analysis.probe_checks import reference_loss, reference_loss_ops, reference_ops, reference_outputs
 from harness.record.probe import LOSS, OUTPUT, OpCapture, ProbeData
 
 __all__ = ["forward_location", "input_location", "loss_location"]
@@ -146,6 +147,82 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
     return first
 
 
+@dataclass
+class _OpJudge:
+    """How one rank's ops are judged against the reference's: by placement at the rank's
+    tensor-parallel coordinate, a plain value also as a partial (sum, max) over its group."""
+
+    coord: int | None
+    group: list[int]
+    peers_sum: Callable[[OpCapture], torch.Tensor | None]
+    peers_max: Callable[[OpCapture], torch.Tensor | None]
+    rtol: float
+    atol: float
+
+    @classmethod
+    def of(cls, by_rank: dict[int, dict[str, Any]], rank: int, rtol: float, atol: float) -> "_OpJudge":
+        held = by_rank[rank].get("ops") or []
+        coord, group = tp_of(by_rank[rank])
+        return cls(coord, group, peer_sum(by_rank, group, "ops", held), peer_sum(by_rank, group, "ops", held, reduce="max"),
+                   rtol, atol)
+
+    def judge(self, mine: OpCapture, theirs: OpCapture) -> Judged | None:
+        return judge(mine.output, mine.placements, theirs.output, self.coord, self.group, lambda: self.peers_sum(mine),
+                     self.rtol, self.atol, group_max=lambda: self.peers_max(mine))
+
+    def comparable(self, mine: OpCapture, theirs: OpCapture) -> bool:
+        return corresponding(mine.output, mine.placements, theirs.output, self.coord, self.group,
+                             lambda: self.peers_sum(mine)) is not None
+
+
+def _scan(ctx: _OpJudge, pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], scope: str, *,
+          partial: bool = False,
+          only: Callable[[OpCapture], bool] = lambda o: True) -> tuple[dict[str, Any] | None, OpCapture | None]:
+    """The first held op of ``pairs`` (those ``only`` admits) that departs (or, with
+    ``partial``, is the partial sum), as the location's op fields; else (None, the last
+    op that matched)."""
+    last_within: OpCapture | None = None
+    partial_before: OpCapture | None = None  # the last op whose output matched only summed over the group
+    rows: list[dict[str, Any]] = []  # each compared op up to the departing one, for the report's numerics table
+    for mine, theirs, how in pairs:
+        if not only(mine):
+            continue
+        judged = ctx.judge(mine, theirs)
+        if judged is None:
+            continue
+        hit = judged.status == "partial" if partial else judged.status == "departs"
+        rows.append({"op": mine.op, "module": mine.module or "<model output>", "reference_op": theirs.op,
+                     "status": judged.status, "max_abs": judged.max_abs, "compared": judged.compared, "aligned": how})
+        if not hit:
+            last_within = mine
+            if judged.status == "partial":
+                partial_before = mine
+            elif judged.status == "within" and mine.placements is None:
+                partial_before = None
+            continue
+        index = next(i for i, o in enumerate(o for o in held if o.output is not None) if o is mine)
+        where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
+                 "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:]}
+        since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
+        if last_within is not None:
+            where["last_matched"] = {"op": last_within.op, "module": last_within.module or "<model output>"}
+        paired = {id(p[0]) for p in pairs}
+        unpaired = [o.op for o in since if o.output is not None and id(o) not in paired]
+        if unpaired:  # computed between the last op that matched and this one, with no reference counterpart
+            where["unpaired_before"] = unpaired[:8]
+        collective = next((o for o in reversed(since) if o.output is None), None)
+        if collective is not None:
+            where["after_collective"] = {"op": collective.op, "module": collective.module or "<model output>"}
+        if partial_before is not None and not partial:
+            where["after_partial"] = {"op": partial_before.op, "module": partial_before.module or "<model output>",
+                                      "over": ctx.group}
+        if partial:  # the module's figures (where the partial showed) stay; the op made the partial
+            return {**where, "op_compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
+        return {**where, "max_abs": judged.max_abs, "max_rel": judged.max_rel,
+                "compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
+    return None, last_within
+
+
 def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial: bool, rtol: float,
                  atol: float) -> dict[str, Any]:
     """The first op of ``module`` on ``rank`` whose output departs from the reference's (for a
@@ -159,84 +236,30 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
     held_ops: list[OpCapture] = entry.get("ops") or []
     if not held_ops:
         return {"op_note": "no op log of this forward (pipeline stages, or a model called before the harness watched it)"}
-    ref_ops = reference_ops(data, rank, case)
-    coord, group = tp_of(entry)
-    peers_sum = peer_sum(by_rank, group, "ops", held_ops)
-    peers_max = peer_sum(by_rank, group, "ops", held_ops, reduce="max")
-
-    def scan(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], scope: str,
-             only: Callable[[OpCapture], bool] = lambda o: True) -> tuple[dict[str, Any] | None, OpCapture | None]:
-        """The first held op of ``pairs`` (those ``only`` admits) that departs (or, with
-        ``partial``, is the partial sum), as the location's op fields; else (None, the last
-        op that matched)."""
-        last_within: OpCapture | None = None
-        partial_before: OpCapture | None = None  # the last op whose output matched only summed over the group
-        rows: list[dict[str, Any]] = []  # each compared op up to the departing one, for the report's numerics table
-        for mine, theirs, how in pairs:
-            if not only(mine):
-                continue
-            judged = judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine), rtol, atol,
-                           group_max=lambda: peers_max(mine))
-            if judged is None:
-                continue
-            hit = judged.status == "partial" if partial else judged.status == "departs"
-            rows.append({"op": mine.op, "module": mine.module or "<model output>", "reference_op": theirs.op,
-                         "status": judged.status, "max_abs": judged.max_abs, "compared": judged.compared, "aligned": how})
-            if not hit:
-                last_within = mine
-                if judged.status == "partial":
-                    partial_before = mine
-                elif judged.status == "within" and mine.placements is None:
-                    partial_before = None
-                continue
-            index = next(i for i, o in enumerate(o for o in held if o.output is not None) if o is mine)
-            where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
-                     "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:]}
-            since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
-            if last_within is not None:
-                where["last_matched"] = {"op": last_within.op, "module": last_within.module or "<model output>"}
-            paired = {id(p[0]) for p in pairs}
-            unpaired = [o.op for o in since if o.output is not None and id(o) not in paired]
-            if unpaired:  # computed between the last op that matched and this one, with no reference counterpart
-                where["unpaired_before"] = unpaired[:8]
-            collective = next((o for o in reversed(since) if o.output is None), None)
-            if collective is not None:
-                where["after_collective"] = {"op": collective.op, "module": collective.module or "<model output>"}
-            if partial_before is not None and not partial:
-                where["after_partial"] = {"op": partial_before.op, "module": partial_before.module or "<model output>",
-                                          "over": group}
-            if partial:  # the module's figures (where the partial showed) stay; the op made the partial
-                return {**where, "op_compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
-            return {**where, "max_abs": judged.max_abs, "max_rel": judged.max_rel,
-                    "compared": f"{judged.compared}; op aligned {how}, {scope}"}, last_within
-        return None, last_within
-
-    if module and module != LOSS and not partial:
+    ref_ops = [o for o in reference_ops(data, rank, case) if o.module != LOSS]
+    ctx = _OpJudge.of(by_rank, rank, rtol, atol)
+    if module and not partial:
         # What the module's parents compute inline before it (a norm written as plain calls in
         # a block's forward) reaches the module as its input: the first op of a parent that
         # departs before the module's own ops is where the values left the reference.
         ancestors = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
         first_own = next((i for i, o in enumerate(held_ops) if o.module == module or o.module.startswith(module + ".")), None)
         before = {id(o) for o in held_ops[:first_own]} if first_own is not None else set()
-        found, _ = scan(aligned(held_ops, ref_ops), held_ops, f"inline in the forward of a module containing {module!r}, before it",
-                        lambda o: o.module in ancestors and id(o) in before)
+        found, _ = _scan(ctx, aligned(held_ops, ref_ops), held_ops,
+                         f"inline in the forward of a module containing {module!r}, before it",
+                         only=lambda o: o.module in ancestors and id(o) in before)
         if found is not None:
             return {**found, "inline_before": module}
-    scopes = [("in the loss computed from the model's output, against the reference's loss decomposed into its ops"
-               if module == LOSS else "in the module itself", lambda m: m == module)]
-    if module and module != LOSS:
+    scopes = [("in the module itself", lambda m: m == module)]
+    if module:
         scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
-    elif not module:  # the model's own forward: what it computes inline runs in the reference's submodules
+    else:  # the model's own forward: what it computes inline runs in the reference's submodules
         scopes.append(("in the whole forward, aligned regardless of modules", lambda m: m != LOSS))
     for scope, inside in scopes:
         held = [o for o in held_ops if inside(o.module)]
         ref = [o for o in ref_ops if inside(o.module)]
-        if module == LOSS:
-            held = _up_to_the_loss(held, entry.get("loss"))
         pairs = aligned(held, ref)
-        if module == LOSS:
-            pairs = _confirmed_by_value(pairs, held, ref, coord, group, peers_sum, peers_max, rtol, atol)
-        found, last_within = scan(pairs, held, scope)
+        found, last_within = _scan(ctx, pairs, held, scope, partial=partial)
         if found is not None:
             return found
         after = held[held.index(last_within) + 1:] if last_within is not None else held
@@ -249,6 +272,47 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
                        "(the module's output does; ops compared by placement and aligned by name)"}
 
 
+def _loss_op_location(data: ProbeData, case: Case, rank: int, rtol: float, atol: float) -> dict[str, Any]:
+    """The first op of ``rank``'s loss (its ops after the model's forward, up to the loss it
+    reported) that departs from the reference's loss on the same inputs and targets. The
+    reference's loss is logged two ways - its composite ops (``_log_softmax``,
+    ``nll_loss_forward``: a parallel loss that calls the same functions) and decomposed into
+    the ops a hand-written loss is made of - and the rank's ops are read against the one under
+    which more of them match. Where every compared op matches and the rank computes more
+    after the last match (a label smoothing the reference has not), the first of those is the
+    location, unpaired."""
+    by_rank = {r["rank"]: r for r in data.ranks}
+    entry = by_rank[rank]
+    held = _up_to_the_loss([o for o in entry.get("ops") or [] if o.module == LOSS], entry.get("loss"))
+    if not held:
+        return {"op_note": "no op log of the loss (the model's forward was not logged, or the loss is computed inside it)"}
+    ctx = _OpJudge.of(by_rank, rank, rtol, atol)
+    best: tuple[int, str, list[tuple[OpCapture, OpCapture, str]]] | None = None
+    for how, ref in reference_loss_ops(data, rank, case):
+        pairs = _confirmed_by_value(ctx, aligned(held, ref), held, ref)
+        matching = sum(1 for mine, theirs, _ in pairs if (j := ctx.judge(mine, theirs)) is not None and j.status != "departs")
+        if best is None or matching > best[0]:
+            best = (matching, how, pairs)
+    if best is None:
+        return {"op_note": "the reference's loss could not be logged on this rank's batch"}
+    _, how, pairs = best
+    scope = f"in the loss computed from the model's output, against the reference's loss {how}"
+    found, last_within = _scan(ctx, pairs, held, scope)
+    if found is not None:
+        return found
+    computing = [o for o in held if o.output is not None]
+    after = computing[computing.index(last_within) + 1:] if last_within is not None else computing
+    paired = {id(p[0]) for p in pairs}
+    extra = [o for o in after if id(o) not in paired]
+    if last_within is not None and extra:
+        return {"op": extra[0].op, "op_module": LOSS, "unpaired": True,
+                "last_matched": {"op": last_within.op, "module": LOSS}, "unpaired_after": [o.op for o in extra[:8]],
+                "op_note": f"every op of the loss compared matches the reference's ({len(pairs)} compared, {scope}); after "
+                           f"{last_within.op} the rank computes what the reference's loss has not: "
+                           f"{', '.join(o.op for o in extra[:8])}"}
+    return {"op_note": f"no single op of the loss departs by itself ({len(pairs)} compared, {scope})"}
+
+
 def _up_to_the_loss(held: list[OpCapture], loss: torch.Tensor | None) -> list[OpCapture]:
     """A rank's loss ops up to the first one whose output is the loss it reported: what follows
     (``loss * run.loss_weight(batch)``, a copy for logging) is no part of the loss."""
@@ -259,19 +323,13 @@ def _up_to_the_loss(held: list[OpCapture], loss: torch.Tensor | None) -> list[Op
     return held if first is None else held[:first + 1]
 
 
-def _confirmed_by_value(pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture], ref: list[OpCapture],
-                        coord: int | None, group: list[int], peers_sum: Callable[[OpCapture], torch.Tensor | None],
-                        peers_max: Callable[[OpCapture], torch.Tensor | None], rtol: float,
-                        atol: float) -> list[tuple[OpCapture, OpCapture, str]]:
+def _confirmed_by_value(ctx: _OpJudge, pairs: list[tuple[OpCapture, OpCapture, str]], held: list[OpCapture],
+                        ref: list[OpCapture]) -> list[tuple[OpCapture, OpCapture, str]]:
     """``pairs`` with the held ops that name alignment left unpaired paired "by value" where an
     unpaired reference op of the loss matches them by placement (a per-token loss written as
     ``lse - target_logit`` is the reference's ``neg`` of its gathered log-probability). Only a
     match pairs: an op no reference value confirms stays unpaired, never a departure."""
-    def comparable(pair: tuple[OpCapture, OpCapture, str]) -> bool:
-        mine, theirs, _ = pair
-        return corresponding(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine)) is not None
-
-    pairs = [p for p in pairs if comparable(p)]  # a name paired with a value of another shape is no counterpart
+    pairs = [p for p in pairs if ctx.comparable(p[0], p[1])]  # a name paired with a value of another shape is no counterpart
     used = {id(p[0]) for p in pairs} | {id(p[1]) for p in pairs}
     candidates = [o for o in ref if o.output is not None and id(o) not in used]
     confirmed: dict[int, tuple[OpCapture, OpCapture, str]] = {}
@@ -281,8 +339,7 @@ def _confirmed_by_value(pairs: list[tuple[OpCapture, OpCapture, str]], held: lis
         for theirs in candidates:
             if id(theirs) in used:
                 continue
-            judged = judge(mine.output, mine.placements, theirs.output, coord, group, lambda: peers_sum(mine), rtol, atol,
-                           group_max=lambda: peers_max(mine))
+            judged = ctx.judge(mine, theirs)
             if judged is not None and judged.status in ("within", "partial"):
                 confirmed[id(mine)] = (mine, theirs, f"by value (with the reference's {theirs.op})")
                 used.add(id(theirs))
@@ -334,7 +391,7 @@ def loss_location(comparison: CompareResult, probe: ProbeData | None, case: Case
         # log, sub), compared by placement - a local max or sum over a vocabulary shard is a
         # partial that an all-reduce completes, a padded shard is compared on its real rows.
         try:
-            op = _op_location(probe, case, rank, LOSS, partial=False, rtol=rtol, atol=atol)
+            op = _loss_op_location(probe, case, rank, rtol, atol)
         except Exception as exc:  # noqa: BLE001 - the loss is evidence enough without its op
             op = {"op_note": f"the op inside the loss was not located: {type(exc).__name__}: {exc}"}
         if "max_abs" in op:

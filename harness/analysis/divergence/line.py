@@ -34,6 +34,9 @@ def location_line(loc: dict[str, Any]) -> str:
             if loc.get("unpaired_before"):
                 line += (f"; computed between them, with no counterpart in the reference's loss: "
                          f"{', '.join(loc['unpaired_before'])}")
+        elif loc.get("op") and loc.get("unpaired"):
+            line += (f"; every op of the loss compared matches the reference's up to {loc['last_matched']['op']}, after "
+                     f"which the rank computes what the reference's loss has not: {', '.join(loc['unpaired_after'])}")
         elif loc.get("op"):
             line += f"; the values change at {loc['op']}" + (f" ({loc['op_note']})" if loc.get("op_note") else "")
         return line
