@@ -94,7 +94,10 @@ def test_fsdp_resumes_bitwise_on_its_own_layout(rank_runner, reference_cache, tm
     assert "Resumed from a checkpoint" in render_html(report)
 
 
-@pytest.mark.parametrize("into, nproc", [("tp", 2), ("plain", 1), pytest.param("fsdp-tp", 4, marks=pytest.mark.slow),
+# Another layout at the same world size stays in the default suite; into one process (plain)
+# is the same load and continuation at another world size, under -m slow with the 4-rank ones.
+@pytest.mark.parametrize("into, nproc", [("tp", 2), pytest.param("plain", 1, marks=pytest.mark.slow),
+                                         pytest.param("fsdp-tp", 4, marks=pytest.mark.slow),
                                          pytest.param("fsdp", 4, marks=pytest.mark.slow)])
 def test_fsdp_on_2_resumes_into_another_layout(rank_runner, reference_cache, tmp_path, into: str, nproc: int) -> None:
     report = diagnose_target("fsdp", resume_at=2, resume_into=into, resume_nproc=nproc, runner=rank_runner,
