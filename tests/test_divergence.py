@@ -289,6 +289,11 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     # loss_parallel() divided by the TP size) are the location, unpaired
     ("tests/custom_loops/loss_label_smoothing.py", "loss", "<loss>", 1, "aten.sum.dim_IntList"),
     ("tests/custom_loops/tp_loss_parallel.py", "loss", "<loss>", 0, "aten.div.Tensor"),
+    # a pipeline's later stage, against the reference replayed on the same micro-batch: the
+    # activation sent in bfloat16 departs between the stages (stage 1's input against stage
+    # 0's output), a GELU stage 1 applies on arrival at fc2 on rank 1 with the GELU named
+    ("tests/custom_loops/pp_stage_boundary.py", "forward", "<input of pipeline stage 1>", 1, None),
+    ("tests/custom_loops/pp_stage_boundary.py:extra_activation", "forward", "fc2", 1, "aten.addmm.default"),
     # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
     ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
     # a column-parallel layer whose input's gradient is never all-reduced (the "copy to the
@@ -335,6 +340,10 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
         assert report.codes == (["numeric-mismatch"] if "smoothing" in target else ["grad-scaled"]), report.codes
         assert where[0]["unpaired"] and where[0]["last_matched"]["op"] == "aten.nll_loss_forward.default", where[0]
         assert "after which the rank computes what the reference's loss has not" in where[0]["line"]
+    if target.endswith("pp_stage_boundary.py"):
+        assert (where[0]["stage_input"], where[0]["sent_by"]) == (True, 0) and "between pipeline stages" in where[0]["line"]
+    if target.endswith(":extra_activation"):
+        assert where[0]["inline_unpaired"] == ["aten.gelu.default"], where[0]
     if target.endswith("eval_mode_after_validation.py"):
         assert where[0]["eval_mode"] and "never ran" in where[0]["line"], where[0]
     if module == "<data>":
@@ -345,6 +354,7 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
                                     "tests/custom_loops/vocab_parallel_padded_loss.py:correct",
                                     "tests/custom_loops/loss_label_smoothing.py:correct",
                                     "tests/custom_loops/tp_loss_parallel.py:correct",
+                                    "tests/custom_loops/pp_stage_boundary.py:correct",
                                     "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
                                     "tests/custom_loops/tp_copy_grad_unreduced.py:correct",
                                     "tests/custom_loops/stale_master_weights.py:correct",

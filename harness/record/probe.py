@@ -374,6 +374,9 @@ class ActivationProbe:
         # The collated samples of ``ids`` when the input was taken from the forward itself (a
         # loop with its own loader): an input that is not those samples departs before the model.
         self.expected_input: Any = None
+        # What the first forward itself received: for a later pipeline stage, the activation the
+        # stage before sent (compared with that stage's output on the same micro-batch).
+        self.forward_input: Any = None
         self.ops: list[OpCapture] = []  # the first forward's op log (a single model only)
         self.grad_order: list[str] = []  # modules whose output's gradient arrived, in backward order
         self.backward = BackwardLog(max_numel=max_numel)  # the probed forward's backward, node by node
@@ -408,12 +411,13 @@ class ActivationProbe:
         self.end_loss_log()  # another forward: the loss of the first one is computed
         if self._logged or self._log is not None or not self._keeping():
             return
+        given = dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else tuple(args))
+        try:
+            self.forward_input = map_tensors(lambda t: (t.to_local() if is_dtensor(t) else t).detach().cpu().clone(), given)
+        except Exception:  # noqa: BLE001 - an input the probe cannot copy: no replay, the run goes on
+            self.forward_input = None
         if self.input is None:  # a loop that reads its own batches: the forward's own input
-            given = dict(kwargs) if kwargs and not args else (args[0] if len(args) == 1 and not kwargs else tuple(args))
-            try:
-                self.input = map_tensors(lambda t: (t.to_local() if is_dtensor(t) else t).detach().cpu().clone(), given)
-            except Exception:  # noqa: BLE001 - an input the probe cannot copy: no replay, the run goes on
-                self.input = None
+            self.input = self.forward_input
         self._log = OpLog(self._stack, max_numel=self.max_numel)
         self._log.__enter__()
 
@@ -613,6 +617,7 @@ def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[
         "loss": of(probe.loss),
         "ids": probe.ids,
         "expected_input": probe.expected_input,
+        "forward_input": tree(probe.forward_input),
         "order": probe.order if value is None else list(probe.order),
         "captures": probe.captures if value is None else {
             name: dataclasses.replace(cap, output=of(cap.output), input=of(cap.input), grad=of(cap.grad))

@@ -57,18 +57,24 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
     by_rank = {r["rank"]: r for r in data.ranks}
     first: dict[str, Any] | None = None
     compared_on: dict[str, int] = {}
-    probed = 0
+    held_on: dict[str, int] = {}  # how many probed ranks hold each module compared (a pipeline: one stage's)
     for rank, entry in sorted(by_rank.items()):
-        if entry["input"] is None or entry["stages"] not in (None, [0]):
-            continue  # later pipeline stages do not see the model input
-        ref = reference_outputs(data, rank, case)
-        probed += 1
+        stage = _stage_of(entry)
+        if entry["input"] is None or (stage > 0 and entry.get("expected_input") is not None):
+            continue  # a later stage whose kept input is its own forward's (an activation), not the micro-batch
+        ref = reference_outputs(data, rank, case)  # the whole model on the micro-batch: every stage's modules
         coord, group = tp_of(entry)
+        if stage > 0:
+            found = _stage_input_location(by_rank, entry, stage, rtol, atol)
+            if found is not None and (first is None or (stage, -1) < first["position"]):
+                first = found
+        last_stage = stage == max(_stage_of(e) for e in by_rank.values() if _same_pipeline(e, entry))
         pending: list[str] = []  # modules whose output matched only as a partial sum, not reduced since
         for position, name in enumerate(entry["order"]):
             cap = entry["captures"][name]
-            if name not in ref:
-                continue
+            if name not in ref or (name == OUTPUT and not last_stage):
+                continue  # a stage's own output is no model output (before the last stage)
+            position = (stage, position)
             if cap.p and not cap.training:
                 # The reference trains every module: a dropout left in eval mode (model.eval()
                 # for a validation pass, never undone) computes the identity where it masks.
@@ -88,6 +94,7 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
                             lambda: group_sum(by_rank, group, name, cap.output.shape), rtol, atol)
             if judged is None:
                 continue
+            held_on[name] = held_on.get(name, 0) + 1
             if judged.status == "partial":
                 pending.append(name)  # a partial sum a later module may reduce (see the module docstring)
                 continue
@@ -114,7 +121,11 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
                 first = found
             break
     if matched is not None and first is None:
-        matched += [n for n, count in compared_on.items() if count == probed]
+        matched += [n for n, count in compared_on.items() if count == held_on.get(n)]
+    if first is not None and first.get("stage_input"):
+        first.pop("position")
+        first["step"] = data.step
+        return first
     if first is not None and first.get("eval_mode"):
         first.pop("position")
         name = first.pop("_name")
@@ -223,6 +234,39 @@ def _scan(ctx: _OpJudge, pairs: list[tuple[OpCapture, OpCapture, str]], held: li
     return None, last_within
 
 
+def _stage_of(entry: dict[str, Any]) -> int:
+    """The rank's first pipeline stage (0 without a pipeline)."""
+    return min(entry["stages"]) if entry.get("stages") else 0
+
+
+def _same_pipeline(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Both ranks are stages of one pipeline (or neither is in one)."""
+    group = b["groups"].get("pp") or []
+    return a["rank"] == b["rank"] or (a["rank"] in group and len(group) > 1)
+
+
+def _stage_input_location(by_rank: dict[int, dict[str, Any]], entry: dict[str, Any], stage: int, rtol: float,
+                          atol: float) -> dict[str, Any] | None:
+    """A later pipeline stage whose first forward received another activation than the stage
+    before it produced on the same micro-batch: the values depart between the stages (the send,
+    the receive, a cast or a buffer between them), before any module of this stage."""
+    sender = next((e for e in by_rank.values() if _same_pipeline(e, entry) and stage - 1 in (e.get("stages") or [])
+                   and e.get("ids") == entry.get("ids")), None)
+    sent = sender["captures"].get(OUTPUT) if sender is not None else None
+    received = entry.get("forward_input")
+    if sent is None or not isinstance(received, torch.Tensor) or received.shape != sent.output.shape:
+        return None
+    within, max_abs, max_rel = difference(received.float(), sent.output, rtol, atol)
+    if within:
+        return None
+    return {"phase": "forward", "module": f"<input of pipeline stage {stage}>", "module_type": None, "op": None,
+            "rank": entry["rank"], "step": None, "max_abs": max_abs, "max_rel": max_rel,
+            "tolerance": {"rtol": rtol, "atol": atol, "of": "max |sent|"}, "position": (stage, -1), "stage_input": True,
+            "sent_by": sender["rank"],
+            "compared": f"the activation stage {stage} (rank {entry['rank']}) received for its first micro-batch against "
+                        f"what stage {stage - 1} (rank {sender['rank']}) produced on the same samples"}
+
+
 def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial: bool, rtol: float,
                  atol: float) -> dict[str, Any]:
     """The first op of ``module`` on ``rank`` whose output departs from the reference's (for a
@@ -245,11 +289,18 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
         ancestors = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
         first_own = next((i for i, o in enumerate(held_ops) if o.module == module or o.module.startswith(module + ".")), None)
         before = {id(o) for o in held_ops[:first_own]} if first_own is not None else set()
-        found, _ = _scan(ctx, aligned(held_ops, ref_ops), held_ops,
-                         f"inline in the forward of a module containing {module!r}, before it",
+        whole = aligned(held_ops, ref_ops)
+        found, _ = _scan(ctx, whole, held_ops, f"inline in the forward of a module containing {module!r}, before it",
                          only=lambda o: o.module in ancestors and id(o) in before)
         if found is not None:
             return {**found, "inline_before": module}
+        paired = {id(p[0]) for p in whole}
+        # What a parent computed inline before the module with no counterpart in the reference
+        # (an activation a pipeline stage's forward adds): evidence beside the module's op.
+        extra = [o.op for o in held_ops[:first_own or 0] if o.output is not None and o.module in ancestors
+                 and id(o) not in paired]
+    else:
+        extra = []
     scopes = [("in the module itself", lambda m: m == module)]
     if module:
         scopes.append(("in its submodules", lambda m: m.startswith(module + ".")))
@@ -261,7 +312,7 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
         pairs = aligned(held, ref)
         found, last_within = _scan(ctx, pairs, held, scope, partial=partial)
         if found is not None:
-            return found
+            return {**found, "inline_unpaired": extra[-8:]} if extra else found
         after = held[held.index(last_within) + 1:] if last_within is not None else held
         collective = next((o for o in after if o.output is None), None)
         if collective is not None and pairs:
@@ -364,7 +415,7 @@ def loss_location(comparison: CompareResult, probe: ProbeData | None, case: Case
     worst: tuple[int, float, float, float, float] | None = None
     for entry in sorted(probe.ranks, key=lambda r: r["rank"]):
         held = entry.get("loss")
-        if held is None or entry["stages"] not in (None, [0]):
+        if held is None or (_stage_of(entry) > 0 and entry.get("expected_input") is not None):
             continue
         expected = reference_loss(probe, entry["rank"], case)
         if expected is None or expected.numel() != 1:

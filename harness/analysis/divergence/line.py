@@ -67,6 +67,10 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc["phase"] == "backward":
         return (f"departs in the gradients of step {loc['step']} at module {loc['module']!r}: {loc['compared']} "
                 f"(max abs {loc['max_abs']:.3g}); the loss and the gradients of the modules after it match")
+    if loc.get("stage_input"):
+        return (f"departs between pipeline stages at step {loc['step']}, before any module of {loc['module'][10:-1]} on "
+                f"rank {loc['rank']}: {loc['compared']} differ by max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of its "
+                "largest value) - the send, the receive, or a cast or buffer between them")
     if loc.get("eval_mode"):
         skipped = f": the reference's {loc['op']} never ran" if loc.get("op") else ""
         return (f"departs in the forward of step {loc['step']} at module {loc['module']!r} ({loc['module_type']}) on rank "
@@ -94,4 +98,7 @@ def location_line(loc: dict[str, Any]) -> str:
     if loc.get("after_collective"):
         c = loc["after_collective"]
         line += f"; the collective before it: {c['op']} in {c['module']!r}"
+    if loc.get("inline_unpaired"):
+        line += (f"; before it, the rank's forward computed inline what the reference's has not: "
+                 f"{', '.join(loc['inline_unpaired'])}")
     return line + (f" ({loc['op_note']})" if loc.get("op_note") else "")
