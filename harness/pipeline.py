@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -194,6 +195,22 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
     return value.record_path, value.trace_path or None, probe
 
 
+def _failing_step_to_probe(comparison: Any, probe: Any, record_path: str | None) -> int | None:
+    """The first failing step to probe on a second run, where it comes after step 0 and step
+    0's probe cannot show it (:func:`harness.analysis.divergence.step_to_probe`); None
+    otherwise (a trajectory comparison has no reference step to replay from)."""
+    from harness.analysis.divergence import step_to_probe
+
+    try:
+        from reference.record import Record
+
+        reference = Record.load(comparison.reference) if getattr(comparison, "mode", "") == "stepwise" else None
+        actual = Record.load(record_path) if record_path else None
+        return step_to_probe(comparison, probe, actual, reference) if reference is not None else None
+    except Exception:  # noqa: BLE001 - without the decision there is no second run, the verdict stands
+        return None
+
+
 def _probe_failing_step(target: Target, case: Case, strategy: Any, ctx: DistContextLike, dst: int, run_options: dict[str, Any],
                         out: DiagnosedRun, probe: Any, record_path: str | None) -> Any:
     """Collective, for a failed run: where its first failing step comes after step 0 and
@@ -201,19 +218,7 @@ def _probe_failing_step(target: Target, case: Case, strategy: Any, ctx: DistCont
     ``dst``), train the target again up to that step with the probe on that step's first
     micro-batch instead; its probe on ``dst`` (None elsewhere, or when there is none). The
     second run records to a temporary folder and is not compared: it only gives the values."""
-    from harness.analysis.divergence import step_to_probe
-
-    step = None
-    if ctx.rank == dst:
-        try:
-            from reference.record import Record
-
-            comparison = out.result.comparison
-            reference = Record.load(comparison.reference) if getattr(comparison, "mode", "") == "stepwise" else None
-            actual = Record.load(record_path) if record_path else None
-            step = step_to_probe(comparison, probe, actual, reference) if reference is not None else None
-        except Exception:  # noqa: BLE001 - without the decision there is no second run, the verdict stands
-            step = None
+    step = _failing_step_to_probe(out.result.comparison, probe, record_path) if ctx.rank == dst else None
     step = broadcast_object(step, dst)
     if step is None:
         return None
@@ -357,6 +362,18 @@ def diagnose_simulated(
     say("diagnose: comparing and naming causes")
     compared = compare_to_reference(case, Record.load(run.record_path), cache=cache, tolerance=tolerance, comparison=comparison,
                                     label=f"{target.name} on {world_size} simulated ranks vs reference")
+    step = _failing_step_to_probe(compared, run.probe, run.record_path) if not compared.passed else None
+    if step is not None and run.probe is not None:
+        # As on real ranks: train again up to the first failing step with the probe on it
+        # (a second simulation in a temporary folder, not compared: it only gives the values).
+        later = tempfile.mkdtemp(prefix="harness-probe-")
+        try:
+            run.probe.later = simulate_strategy(case.with_steps(step + 1), target.strategy, world_size, later,
+                                                probe_step=step).probe
+        except Exception as exc:  # noqa: BLE001 - the same code simulated once: what fails now is evidence lost, not the verdict
+            compared.notes.append(f"the first failing step {step} was not probed: {type(exc).__name__}: {exc}")
+        finally:
+            shutil.rmtree(later, ignore_errors=True)
     report = diagnosis_report(target, case, world_size, comparison=compared, record_path=run.record_path,
                               trace_path=run.trace_path, cache=cache, probe=run.probe, elapsed_s=time.monotonic() - started)
     report.target["simulated"] = True

@@ -263,6 +263,33 @@ def test_simulated_ranks_locate_the_op_as_real_ranks_do(reference_cache, tmp_pat
     assert (report.codes, where["module"], where["op"], where["rank"]) == (["rng-desync"], "dropout", "aten.bernoulli_.float", 1), where
 
 
+def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_cache, tmp_path) -> None:
+    from cases.catalog import transformer_case
+    from cases.strategies.tp import TensorParallelStrategy
+    from harness.pipeline import simulate_target
+    from harness.targets.target import Target
+
+    class StaleMastersTP(TensorParallelStrategy):
+        name = "tp-stale-masters"
+
+        def forward_backward(self, case, setup, micro_batches):
+            params = list(setup.model.parameters())
+            if not hasattr(self, "masters"):
+                self.masters = [p.detach().clone() for p in params]
+            with torch.no_grad():  # BUG: the masters never learn; each step starts from them again
+                for p, m in zip(params, self.masters):
+                    p.copy_(m)
+            return super().forward_backward(case, setup, micro_batches)
+
+    # Step 0 matches (it starts from the initial weights either way); step 1 reads the stale
+    # embedding first: the second simulated run probes step 1 and locates its first op.
+    report = simulate_target(Target("stale", transformer_case(steps=2, layers=2), StaleMastersTP()), 2,
+                             workdir=tmp_path, cache=reference_cache)
+    where = report.diagnoses[0].evidence["first_divergent_op"]
+    assert (report.codes, where["step"], where["module"], where["op"]) == \
+        (["numeric-mismatch"], 1, "embed", "aten.embedding.default"), where
+
+
 # -- real ranks ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("target, phase, module, rank, op", [
     ("autocast_forward", "forward", "fc1", 0, "aten.addmm.default"),  # the first matmul under bfloat16 autocast

@@ -92,9 +92,11 @@ def simulate_strategy(
     *,
     steps: int | None = None,
     progress: Callable[[str], None] | None = None,
+    probe_step: int = 0,
 ) -> SimulatedRun:
     """Train ``strategy`` on ``world_size`` simulated ranks, writing the record and trace
-    under ``workdir``. Raises :class:`SimulationError` for what cannot be simulated."""
+    under ``workdir``, the activation probe on the first micro-batch of ``probe_step``.
+    Raises :class:`SimulationError` for what cannot be simulated."""
     from harness.tracing.run_trace import TRACE_FILE
     from harness.tracing.mesh import describe_model
 
@@ -105,7 +107,7 @@ def simulate_strategy(
     from harness.record.probe import ProbedStrategy
 
     record_path = Path(workdir) / f"simulated-{strategy.name}-{case.name}-w{world_size}"
-    strategy = ProbedStrategy(strategy)
+    strategy = ProbedStrategy(strategy, at_step=probe_step)
     log = CollectiveLog()
     with SimulatedWorld(world_size) as world:
         with log:
@@ -157,14 +159,14 @@ def simulate_strategy(
                 recorder.finish(complete=False)  # keep the steps recorded so far
                 raise
         record = recorder.finish()
-        probe = _probe_per_rank(strategy, layouts, world)
+        probe = _probe_per_rank(strategy, layouts, world, probe_step)
     trace = build_trace(world_size, groups, layouts, params, samples, collective_records(log.calls, groups),
                         {"case": case.name, "strategy": strategy.name}, random_draws=log.random_draws)
     trace_path = str(trace.save(Path(record.path) / TRACE_FILE))
     return SimulatedRun(str(record.path), trace_path, world_size, probe)
 
 
-def _probe_per_rank(probed: Any, layouts: dict[int, Any], world: SimulatedWorld) -> Any:
+def _probe_per_rank(probed: Any, layouts: dict[int, Any], world: SimulatedWorld, step: int = 0) -> Any:
     """The probe of one SPMD forward (each capture a LocalTensor holding every rank's value)
     as the per-rank captures real ranks would have collected."""
     from harness.record.probe import ProbeData, probe_entry
@@ -175,7 +177,7 @@ def _probe_per_rank(probed: Any, layouts: dict[int, Any], world: SimulatedWorld)
         # every rank's ids differ; a simulated strategy reads its batches through the harness
         entry.update(ids=None, expected_input=None)
         ranks.append(entry)
-    return ProbeData(ranks)
+    return ProbeData(ranks, step=step)
 
 
 def _setup_failed(name: str, exc: Exception) -> SimulationError | None:
