@@ -269,17 +269,8 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     from harness.pipeline import simulate_target
     from harness.targets.target import Target
 
-    class StaleMastersTP(TensorParallelStrategy):
+    class StaleMastersTP(StaleMasters, TensorParallelStrategy):
         name = "tp-stale-masters"
-
-        def forward_backward(self, case, setup, micro_batches):
-            params = list(setup.model.parameters())
-            if not hasattr(self, "masters"):
-                self.masters = [p.detach().clone() for p in params]
-            with torch.no_grad():  # BUG: the masters never learn; each step starts from them again
-                for p, m in zip(params, self.masters):
-                    p.copy_(m)
-            return super().forward_backward(case, setup, micro_batches)
 
     # Step 0 matches (it starts from the initial weights either way); step 1 reads the stale
     # embedding first: the second simulated run probes step 1 and locates its first op.
@@ -420,26 +411,31 @@ STRATEGY = DoubleDecay
 '''
 
 
-STALE_MASTERS = '''
-import torch
-from cases.catalog import mlp_case
-from cases.strategies.ddp import DDPStrategy
-
-CASE = mlp_case("adamw")
-
-class StaleMasters(DDPStrategy):
-    name = "ddp-stale-masters"
+class StaleMasters:
+    """A strategy mixin that copies the first step's "master weights" over the parameters
+    before every step (BUG: the masters never learn): step 0 matches, step 1 departs."""
 
     def forward_backward(self, case, setup, micro_batches):
         params = list(setup.model.parameters())
         if not hasattr(self, "masters"):
             self.masters = [p.detach().clone() for p in params]
-        with torch.no_grad():  # BUG: the masters never learn; each step starts from them again
+        with torch.no_grad():
             for p, m in zip(params, self.masters):
                 p.copy_(m)
         return super().forward_backward(case, setup, micro_batches)
 
-STRATEGY = StaleMasters
+
+STALE_MASTERS = '''
+from cases.catalog import mlp_case
+from cases.strategies.ddp import DDPStrategy
+from tests.test_divergence import StaleMasters
+
+CASE = mlp_case("adamw")
+
+class StaleMastersDDP(StaleMasters, DDPStrategy):
+    name = "ddp-stale-masters"
+
+STRATEGY = StaleMastersDDP
 '''
 
 
