@@ -311,6 +311,9 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     # activation sent in bfloat16 departs between the stages (stage 1's input against stage
     # 0's output), a GELU stage 1 applies on arrival at fc2 on rank 1 with the GELU named
     ("tests/custom_loops/pp_stage_boundary.py", "forward", "<input of pipeline stage 1>", 1, None),
+    # Megatron-style vocab-parallel embedding whose out-of-range tokens are looked up at row 0
+    # and never zeroed: the lookup's output is no partial of the reference's
+    ("tests/custom_loops/vocab_parallel_embedding.py", "forward", "embed", 0, "aten.embedding.default"),
     ("tests/custom_loops/pp_stage_boundary.py:extra_activation", "forward", "fc2", 1, "aten.addmm.default"),
     # a loop with its own loader that adds unseeded noise to rank 1's inputs: before the model
     ("tests/custom_loops/unseeded_noise_on_one_rank.py", "input", "<model input>", 1, None),
@@ -373,6 +376,7 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
                                     "tests/custom_loops/loss_label_smoothing.py:correct",
                                     "tests/custom_loops/tp_loss_parallel.py:correct",
                                     "tests/custom_loops/pp_stage_boundary.py:correct",
+                                    "tests/custom_loops/vocab_parallel_embedding.py:correct",
                                     "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
                                     "tests/custom_loops/tp_copy_grad_unreduced.py:correct",
                                     "tests/custom_loops/stale_master_weights.py:correct",
