@@ -290,6 +290,9 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     # a row-parallel matmul inline in forward(): its bias add on an unreduced partial sum, found
     # by aligning the whole forward (the reference runs it in fc2)
     ("tests/custom_loops/tp_inline_row_parallel.py", "forward", "<model output>", 0, "aten.add.Tensor"),
+    # its bias added on every rank before the all-reduce: that add, a partial that sums to the
+    # reference's plus the bias
+    ("tests/custom_loops/tp_inline_row_parallel.py:bias_before_reduce", "forward", "<model output>", 0, "aten.add.Tensor"),
     # a LayerNorm over features sharded by hand, normalised over each rank's half: its own op
     ("tests/custom_loops/tp_norm_on_local_shard.py", "forward", "blocks.0.norm", 0, "aten.native_layer_norm.default"),
     # vocab-parallel cross entropy that lets the padded logit in: the forward matches up to the

@@ -27,8 +27,9 @@ class _Reduce(torch.autograd.Function):
 
 
 class Sharded(nn.Module):
-    def __init__(self, full, rank, world, reduce):
+    def __init__(self, full, rank, world, reduce, bias_first=False):
         super().__init__()
+        self.bias_first = bias_first
         n = full.fc1.out_features // world
         self.fc1 = nn.Linear(full.fc1.in_features, n)
         with torch.no_grad():
@@ -39,11 +40,13 @@ class Sharded(nn.Module):
 
     def forward(self, x):
         partial = F.linear(torch.relu(self.fc1(x)), self.w2)
+        if self.bias_first:  # BUG (bias_before_reduce): the bias added on every rank, then summed
+            return _Reduce.apply(partial + self.b2)
         return (_Reduce.apply(partial) if self.reduce else partial) + self.b2  # BUG unless reduce
 
 
-def train(ctx, run, reduce=False, group=True):
-    model = Sharded(CASE.build_model(ctx.device), ctx.rank, ctx.world_size, reduce)
+def train(ctx, run, reduce=False, group=True, bias_first=False):
+    model = Sharded(CASE.build_model(ctx.device), ctx.rank, ctx.world_size, reduce, bias_first)
     g = {"group": dist.group.WORLD} if group else {}  # without one: the layout's TP group
     run.shard(model.fc1.weight, 0, **g); run.shard(model.fc1.bias, 0, **g); run.shard(model.w2, 1, **g)
     optimizer = CASE.build_optimizer(model.parameters())
@@ -67,3 +70,8 @@ def correct(ctx, run):
 def layout_group(ctx, run):
     """Shards declared without a group: the layout's "tp" group."""
     train(ctx, run, reduce=True, group=False)
+
+
+def bias_before_reduce(ctx, run):
+    """The partial sums all-reduced, but the bias added to each before: counted N times."""
+    train(ctx, run, bias_first=True)
