@@ -335,6 +335,8 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     # a validation pass's model.eval() never undone (step 1, the first dropout, by its mode)
     ("tests/custom_loops/stale_master_weights.py", "forward", "fc1", 0, "aten.addmm.default"),
     ("tests/custom_loops/eval_mode_after_validation.py", "forward", "dropout", 0, "aten.bernoulli_.float"),
+    # a stale head behind five dropouts at step 1: their masks taken from the ranks
+    ("tests/custom_loops/stale_head_behind_dropout.py", "forward", "head", 0, "aten.addmm.default"),
 ])
 def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache, tmp_path, target: str, phase: str,
                                                    module: str, rank: int | None, op: str) -> None:
@@ -380,6 +382,7 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
                                     "tests/custom_loops/tp_loss_parallel.py:correct",
                                     "tests/custom_loops/pp_stage_boundary.py:correct",
                                     "tests/custom_loops/vocab_parallel_embedding.py:correct",
+                                    "tests/custom_loops/stale_head_behind_dropout.py:correct",
                                     "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
                                     "tests/custom_loops/tp_copy_grad_unreduced.py:correct",
                                     "tests/custom_loops/stale_master_weights.py:correct",
@@ -481,7 +484,7 @@ def test_gradients_that_fail_in_part_are_located_and_a_scale_on_all_of_them_is_n
 def test_an_op_the_log_cannot_copy_is_skipped_and_never_fails_the_forward(monkeypatch) -> None:
     from harness.record.probe import OpLog
 
-    def cannot_copy(self, func, out):
+    def cannot_copy(self, func, out, *args):
         raise RuntimeError("a tensor subclass the log does not know")
 
     monkeypatch.setattr(OpLog, "_keep", cannot_copy)
@@ -593,3 +596,41 @@ def test_the_probe_logs_the_loss_after_the_forward_until_the_backward_and_leaves
     probe.detach()  # the user's mode is gone: the probe's leaves now
     assert _get_current_dispatch_mode() is None
     assert not any(o.module == LOSS and o.op == "aten.mse_loss.default" for o in probe.ops)
+
+
+def test_a_later_steps_replay_takes_each_dropouts_mask_from_the_rank_and_names_draws_of_its_own() -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from cases.catalog import transformer_case
+
+    case = transformer_case("adamw", steps=2, layers=2, dropout=0.5)
+    x = torch.randint(0, 32, (4, 8))
+    plain = _replay_reference(case, x)
+    masks = {n: torch.rand(plain.outputs[n].shape) > 0.5 for n in plain.outputs if n.endswith("dropout")}
+    replay = _replay_reference(case, x, masks=masks)
+    assert replay.masked == frozenset(masks) and not replay.own_draws
+    block = "layers.0.mlp.dropout"
+    inp = replay.outputs["layers.0.mlp.down"]
+    assert torch.allclose(replay.outputs[block], inp * masks[block] / 0.5)
+
+    class FunctionalDropout(nn.Module):  # a draw no module's mask can stand for
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return F.dropout(self.lin(x), 0.5, self.training)
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = FunctionalDropout()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    import dataclasses
+
+    functional = dataclasses.replace(mlp_case(), model_factory=Wrapped)
+    assert _replay_reference(functional, torch.randn(2, 8), masks={}).own_draws == frozenset({"inner"})

@@ -20,7 +20,7 @@ from reference.case import Case, map_tensors, tensors_in
 from harness.codes import Diagnosis
 from harness.record.probe import OUTPUT, BackwardLog, OpCapture, ProbeData, loss_op_log, module_outputs, op_log
 
-__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_backward", "reference_grads", "reference_loss", "reference_loss_ops", "reference_ops", "reference_outputs"]
+__all__ = ["PROBE_ATOL", "PROBE_RTOL", "analyze_probe", "reference_backward", "reference_grads", "reference_loss", "reference_loss_ops", "reference_masked", "reference_ops", "reference_outputs"]
 
 # The probe's rule, |a - e| <= rtol |e| + atol max|e| in float32: a forward reassociated across
 # ranks moves values by ulps of their magnitude, a bug by orders more.
@@ -38,9 +38,15 @@ class Replay(NamedTuple):
     # The case's loss on the forward's output, logged two ways (how, ops): its composite ops as
     # they dispatch, and decomposed into the ops a hand-written loss is made of (module LOSS).
     loss_ops: list[tuple[str, list[OpCapture]]] = []
+    # Dropout modules whose mask was the rank's own (a later step's draw, taken as an input),
+    # and the modules where the replay drew numbers of its own all the same (a functional
+    # dropout inside an attention): at a later step nothing from those on is the rank's.
+    masked: frozenset[str] = frozenset()
+    own_draws: frozenset[str] = frozenset()
 
 
-def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, torch.Tensor] | None = None) -> Replay:
+def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, torch.Tensor] | None = None,
+                      masks: dict[str, torch.Tensor] | None = None) -> Replay:
     """The reference model's module outputs, op log (:func:`harness.record.probe.op_log`),
     output of one forward on ``x`` (same weights, same step-0 state, the case's seed for
     dropout) and - with ``targets`` - each module output's gradient in the backward of the
@@ -55,6 +61,24 @@ def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, 
                     param.copy_(state[name])
     grads: dict[str, torch.Tensor] = {}
     backward = BackwardLog()
+    masked: set[str] = set()
+    handles = []
+    for name, module in model.named_modules():
+        mask = (masks or {}).get(name)
+        if mask is None or not isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            continue
+
+        def with_mask(module: torch.nn.Module, args: tuple, output: Any, name: str = name, mask: torch.Tensor = mask) -> Any:
+            # A later step's mask came from a generator state this replay does not have: the
+            # rank's own mask is an input of the step (the reference's values, its dropped
+            # positions, the same scale).
+            inp = args[0] if args else None
+            if not isinstance(inp, torch.Tensor) or inp.shape != mask.shape or not module.training or module.p >= 1:
+                return None
+            masked.add(name)
+            return inp * mask.to(inp.dtype) / (1 - module.p)
+
+        handles.append(module.register_forward_hook(with_mask))
 
     def forward() -> Any:
         with torch.random.fork_rng(devices=[]):
@@ -71,6 +95,8 @@ def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, 
             except Exception:  # noqa: BLE001 - an output the loss cannot take: no backward to compare
                 grads.clear()
                 backward.events.clear()
+    for h in handles:
+        h.remove()
     detached = map_tensors(lambda t: t.detach(), output)
     loss_ops = []
     if targets is not None:  # where a loss computed outside the model departs
@@ -79,13 +105,32 @@ def _replay_reference(case: Case, x: Any, targets: Any = None, state: dict[str, 
                 loss_ops.append((how, loss_op_log(lambda: case.compute_loss(detached, targets), decompose=decompose)))
             except Exception:  # noqa: BLE001 - an output the loss cannot take: no loss ops to compare
                 pass
-    return Replay(outs, ops, detached, grads, backward.events, loss_ops)
+    own_draws = frozenset(o.module for o in ops if o.draws and o.module not in masked)
+    return Replay(outs, ops, detached, grads, backward.events, loss_ops, frozenset(masked), own_draws)
 
 
 def _replayed(data: ProbeData, rank: int, case: Case) -> None:
     if rank not in data.replays:
         entry = next(r for r in data.ranks if r["rank"] == rank)
-        data.replays[rank] = _replay_reference(case, entry["input"], entry.get("targets"), data.state)
+        data.replays[rank] = _replay_reference(case, entry["input"], entry.get("targets"), data.state,
+                                               _rank_masks(entry) if data.step > 0 else None)
+
+
+def _rank_masks(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The kept positions of each dropout module the rank ran in training mode on the probed
+    micro-batch, from its input and output (a position whose input was 0 is 0 either way)."""
+    masks = {}
+    for name, cap in entry["captures"].items():
+        if cap.p and cap.training and cap.input is not None and cap.input.shape == cap.output.shape and cap.placements is None:
+            masks[name] = (cap.output != 0) | (cap.input == 0)
+    return masks
+
+
+def reference_masked(data: ProbeData, rank: int, case: Case) -> tuple[frozenset[str], frozenset[str]]:
+    """(the dropout modules whose mask the replay on ``rank`` took from the rank, the modules
+    where it drew numbers of its own) - at a later step."""
+    _replayed(data, rank, case)
+    return data.replays[rank].masked, data.replays[rank].own_draws
 
 
 def reference_outputs(data: ProbeData, rank: int, case: Case) -> dict[str, torch.Tensor]:

@@ -131,6 +131,7 @@ class OpCapture:
     op: str  # the overload, e.g. "aten.addmm.default"
     output: torch.Tensor | None  # None for a collective: kept as a marker of where it ran, not compared
     placements: str | None = None  # DTensor placements of the output, None for plain tensors
+    draws: bool = False  # it drew from the generator (a dropout's mask; attention with dropout_p > 0)
 
 
 # Ops that move, alias or allocate values without computing any: they cannot be where values
@@ -183,13 +184,15 @@ class OpLog(TorchDispatchMode):
             self.ops.append(OpCapture(self._module(), str(func), None))
         elif not _is_layout_op(func):
             try:
-                self._keep(func, out)
+                self._keep(func, out, args, kwargs)
             except Exception:  # noqa: BLE001 - a value the log cannot copy (a tensor subclass it does not know) is skipped, never the model's failure
                 self.skipped += 1
         return out
 
-    def _keep(self, func: Any, out: Any) -> None:
+    def _keep(self, func: Any, out: Any, args: tuple = (), kwargs: dict | None = None) -> None:
         from torch._subclasses.fake_tensor import FakeTensor
+
+        from reference.draws import random_output
 
         t = first_tensor(out)
         if t is None or not t.is_floating_point() or isinstance(t, FakeTensor):
@@ -202,7 +205,8 @@ class OpLog(TorchDispatchMode):
             placements = str(tuple(t.placements))
             t = t.to_local()
         self.budget -= t.numel()
-        self.ops.append(OpCapture(self._module(), str(func), t.detach().float().cpu().clone(), placements))
+        draws = torch.Tag.nondeterministic_seeded in func.tags and random_output(func, args, kwargs, out) is not False
+        self.ops.append(OpCapture(self._module(), str(func), t.detach().float().cpu().clone(), placements, draws))
 
 
 # The reference's loss is logged with its composite ops decomposed into the ops a hand-written

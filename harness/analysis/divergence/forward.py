@@ -15,7 +15,7 @@ from reference.case import Case
 from harness.analysis.compare import CompareResult
 from harness.analysis.divergence.steps import first_failing_step
 from harness.analysis.divergence.values import Judged, aligned, corresponding, difference, group_sum, judge, peer_sum, tolerance, tp_of
-from harness.analysis.probe_checks import reference_loss, reference_loss_ops, reference_ops, reference_outputs
+from harness.analysis.probe_checks import reference_loss, reference_loss_ops, reference_masked, reference_ops, reference_outputs
 from harness.record.probe import LOSS, OUTPUT, OpCapture, ProbeData
 
 __all__ = ["forward_location", "input_location", "loss_location"]
@@ -86,10 +86,13 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
                 if first is None or position < first["position"]:
                     first = found
                 break
-            if cap.p and data.step > 0:
-                # A later step's masks come from a generator state the replay does not have:
-                # nothing from this dropout on is compared (values, not draws, are sought here).
-                break
+            if data.step > 0:
+                masked, own_draws = reference_masked(data, rank, case)
+                if (cap.p and name not in masked) or any(name in (OUTPUT, d) or d.startswith(name + ".") for d in own_draws):
+                    # A later step's masks come from a generator state the replay does not have,
+                    # and this one's could not be taken from the rank (a sharded or functional
+                    # dropout): nothing from it on is compared (values, not draws, are sought here).
+                    break
             judged = judge(cap.output, cap.placements, ref[name], coord, group,
                             lambda: group_sum(by_rank, group, name, cap.output.shape), rtol, atol)
             if judged is None:
