@@ -65,10 +65,13 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
         ref = reference_outputs(data, rank, case)  # the whole model on the micro-batch: every stage's modules
         coord, group = tp_of(entry)
         if stage > 0:
-            found = _stage_input_location(by_rank, entry, stage, rtol, atol)
+            found = _stage_input_location(by_rank, entry, stage, data.step, rtol, atol)
             if found is not None and (first is None or (stage, -1) < first["position"]):
                 first = found
         last_stage = stage == max(_stage_of(e) for e in by_rank.values() if _same_pipeline(e, entry))
+        # A later step: the dropouts whose mask the replay took from this rank, and the modules
+        # where it drew numbers of its own (see below).
+        masked, own_draws = reference_masked(data, rank, case) if data.step > 0 else (frozenset(), frozenset())
         pending: list[str] = []  # modules whose output matched only as a partial sum, not reduced since
         for position, name in enumerate(entry["order"]):
             cap = entry["captures"][name]
@@ -86,13 +89,12 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
                 if first is None or position < first["position"]:
                     first = found
                 break
-            if data.step > 0:
-                masked, own_draws = reference_masked(data, rank, case)
-                if (cap.p and name not in masked) or any(name in (OUTPUT, d) or d.startswith(name + ".") for d in own_draws):
-                    # A later step's masks come from a generator state the replay does not have,
-                    # and this one's could not be taken from the rank (a sharded or functional
-                    # dropout): nothing from it on is compared (values, not draws, are sought here).
-                    break
+            if data.step > 0 and ((cap.p and name not in masked)
+                                  or any(name in (OUTPUT, d) or d.startswith(name + ".") for d in own_draws)):
+                # A later step's masks come from a generator state the replay does not have, and
+                # this one's could not be taken from the rank (a sharded or functional dropout):
+                # nothing from it on is compared (values, not draws, are sought here).
+                break
             judged = judge(cap.output, cap.placements, ref[name], coord, group,
                             lambda: group_sum(by_rank, group, name, cap.output.shape), rtol, atol)
             if judged is None:
@@ -127,7 +129,6 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
         matched += [n for n, count in compared_on.items() if count == held_on.get(n)]
     if first is not None and first.get("stage_input"):
         first.pop("position")
-        first["step"] = data.step
         return first
     if first is not None and first.get("eval_mode"):
         first.pop("position")
@@ -248,7 +249,7 @@ def _same_pipeline(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["rank"] == b["rank"] or (a["rank"] in group and len(group) > 1)
 
 
-def _stage_input_location(by_rank: dict[int, dict[str, Any]], entry: dict[str, Any], stage: int, rtol: float,
+def _stage_input_location(by_rank: dict[int, dict[str, Any]], entry: dict[str, Any], stage: int, step: int, rtol: float,
                           atol: float) -> dict[str, Any] | None:
     """A later pipeline stage whose first forward received another activation than the stage
     before it produced on the same micro-batch: the values depart between the stages (the send,
@@ -263,7 +264,7 @@ def _stage_input_location(by_rank: dict[int, dict[str, Any]], entry: dict[str, A
     if within:
         return None
     return {"phase": "forward", "module": f"<input of pipeline stage {stage}>", "module_type": None, "op": None,
-            "rank": entry["rank"], "step": None, "max_abs": max_abs, "max_rel": max_rel,
+            "rank": entry["rank"], "step": step, "max_abs": max_abs, "max_rel": max_rel,
             "tolerance": {"rtol": rtol, "atol": atol, "of": "max |sent|"}, "position": (stage, -1), "stage_input": True,
             "sent_by": sender["rank"],
             "compared": f"the activation stage {stage} (rank {entry['rank']}) received for its first micro-batch against "
@@ -283,7 +284,7 @@ def _op_location(data: ProbeData, case: Case, rank: int, module: str, *, partial
     held_ops: list[OpCapture] = entry.get("ops") or []
     if not held_ops:
         return {"op_note": "no op log of this forward (pipeline stages, or a model called before the harness watched it)"}
-    ref_ops = [o for o in reference_ops(data, rank, case) if o.module != LOSS]
+    ref_ops = reference_ops(data, rank, case)  # the forward's (the reference's loss ops are logged apart)
     ctx = _OpJudge.of(by_rank, rank, rtol, atol)
     if module and not partial:
         # What the module's parents compute inline before it (a norm written as plain calls in
