@@ -134,6 +134,7 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
     :class:`~harness.record.custom.CustomRun` recording and tracing it, then compare on
     ``dst`` (``out.result`` on every rank); (record path, trace path, probe) for the report."""
     from harness.analysis.failed_run import note_finished
+    from harness.context import DefaultGroupKept
     from harness.record.custom import CustomRun
     from harness.record.probe import collect_probe
     from harness.run import compare_to_reference, trace_parts_dir
@@ -149,11 +150,13 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
     run = CustomRun(case, ctx, record_dir if is_dst else None, dst=dst, tracer=tracer, digests=run_options.get("digests", False),
                     checkpoint=run_options.get("checkpoint"), checkpoint_glue=target.checkpoint_glue)
     case.seed_training()
+    group = DefaultGroupKept()
     try:
         # Active while the loop runs, so a hang dump can tell the harness's collectives apart.
         with tracer:
             try:
-                target.train(ctx, run)
+                with group:  # a loop may destroy the default group at its end; the harness's work needs one
+                    target.train(ctx, run)
                 run.check_ran_every_step(target.train)
             finally:
                 run.stop_draws()  # before the tracer's own log: dispatch modes are a stack
@@ -179,6 +182,8 @@ def _train_custom(target: Target, case: Case, ctx: DistContextLike, dst: int, ru
                                             tolerance=run_options.get("tolerance", "auto"),
                                             comparison=run_options.get("comparison", "stepwise"))
             trace_path = str(run_trace.save(Path(record.path) / TRACE_FILE)) if run_trace is not None else ""
+            if group.note:
+                compared.notes.append(group.note)
             note_finished(case=case, strategy="custom", nproc=ctx.world_size, record=str(record.path), comparison=compared)
             payload = ("ok", RunResult(case.name, "custom", ctx.world_size, compared, compared.reference, str(record.path),
                                        trace_path=trace_path))
@@ -248,12 +253,14 @@ def _train_probed(target: Target, case: Case, strategy: Any, ctx: DistContextLik
         probed = ProbedStrategy(strategy, at_step=step)
         train_strategy(case, probed, ctx, record_path, dst=dst, check_replicas=False, trace=False)
         return collect_probe(probed, dst)
+    from harness.context import DefaultGroupKept
     from harness.record.custom import CustomRun
 
     assert target.train is not None
     run = CustomRun(case, ctx, record_path, dst=dst, probe_step=step)
     case.seed_training()
-    target.train(ctx, run)
+    with DefaultGroupKept():
+        target.train(ctx, run)
     run.finish()
     return collect_probe(run, dst)
 

@@ -20,3 +20,19 @@ def test_a_deep_traceback_is_pytest_style_with_the_middle_short() -> None:
     assert "Traceback (most recent call last)" not in text
     assert "raise ValueError(\"deep\")" in text and "E           ValueError: deep" in text
     assert text.count(": in _three") >= 2, text  # the middle entries, short style
+
+
+def test_an_internal_failure_is_ours_only_for_pythons_own_exception_raised_in_the_harness() -> None:
+    """An AttributeError raised in harness code is ours; the harness's own error classes (a
+    message to a person) and anything raised in the user's code stay the user's to read."""
+    import os
+
+    from harness.frames import HARNESS_DIR
+    from harness.launch.failure_text import is_internal_failure
+
+    ours = (os.path.join(HARNESS_DIR, "pipeline.py"), "195", "_train_custom")
+    user = ("/home/me/loop.py", "12", "train")
+    assert is_internal_failure("AttributeError", [user, ours])
+    assert not is_internal_failure("RecorderError", [user, ours])
+    assert not is_internal_failure("AttributeError", [ours, user])
+    assert not is_internal_failure("AttributeError", [])

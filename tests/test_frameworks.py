@@ -81,9 +81,21 @@ def test_fabric_fsdp2_undivided_accumulation_is_grad_scaled(rank_runner, referen
 # -- accelerate ------------------------------------------------------------------------------
 
 
-def test_accelerate_accumulation_passes(rank_runner, reference_cache, tmp_path) -> None:
+def test_accelerate_accumulation_passes_after_end_training_destroys_the_group(rank_runner, reference_cache, tmp_path) -> None:
+    """The loop ends as accelerate documents, with ``end_training()``: the default group is
+    gone when it returns; the harness finishes its work on a new one and says so."""
     pytest.importorskip("accelerate")
-    _passes(f"{LOOPS / 'accelerate_ddp.py'}:correct", rank_runner, reference_cache, tmp_path)
+    run = _diagnose(f"{LOOPS / 'accelerate_ddp.py'}:correct", rank_runner, reference_cache, tmp_path)
+    assert run.verdict.verdict == "pass", run.verdict.error or run.verdict.to_dict()
+    assert any("destroyed the default process group" in n for n in run.comparison["notes"]), run.comparison["notes"]
+
+
+def test_accelerate_loader_never_prepared_is_duplicate_samples_after_end_training(rank_runner, reference_cache, tmp_path) -> None:
+    """A planted bug in a loop that destroys its group: named, never the harness's own error."""
+    pytest.importorskip("accelerate")
+    run = _diagnose(f"{LOOPS / 'accelerate_ddp.py'}:loader_not_sharded", rank_runner, reference_cache, tmp_path)
+    # Both replicas read the epoch's first samples: the same ones twice, the later ones never.
+    assert run.codes == ["duplicate-samples", "dropped-samples"], run.verdict.to_dict()
 
 
 def test_accelerate_accumulating_more_than_the_case_is_batch_size_mismatch(rank_runner, reference_cache, tmp_path) -> None:
@@ -191,3 +203,23 @@ def test_an_unknown_wrapper_is_mapped_by_its_prefix_with_a_notice_and_bugs_still
     assert "without the prefix 'shell.'" in notes, notes
     bug = _diagnose(str(path), rank_runner, reference_cache, tmp_path / "bug")
     assert bug.codes == ["grad-not-averaged"], bug.verdict.to_dict()
+
+
+@pytest.mark.distributed(nproc=2)
+def test_a_destroyed_default_group_is_made_again_on_the_same_store(dist_ctx) -> None:
+    """Twice in one process (a second run of the same loop): each new group gets a store
+    prefix of its own, and its collectives work."""
+    import torch.distributed as dist
+
+    from harness.context import DefaultGroupKept
+
+    for _ in range(2):
+        with DefaultGroupKept() as kept:
+            dist.destroy_process_group()
+        assert kept.destroyed and dist.is_initialized()
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == dist_ctx.world_size
+    with DefaultGroupKept() as kept:  # a loop that leaves the group alone: nothing to say
+        pass
+    assert not kept.destroyed and kept.note == ""

@@ -93,10 +93,27 @@ def own_exception(outcome: RunOutcome) -> str:
         return ""
     # Python tracebacks ('File "x.py", line 3, in f') and pytest's ("x.py:3: RuntimeError").
     frames = _FRAME.findall(result.longrepr or "") + [(f, ln, "") for f, ln in _PYTEST_FRAME.findall(result.longrepr or "")]
+    message = (result.message or "").strip().splitlines()
+    first = message[0] if message else ""
+    if is_internal_failure(result.exc_type, frames):
+        inner = frames[-1]
+        return (f"internal error of the harness (ours, not your code): rank {root[0]} raised {result.exc_type} at "
+                f"{inner[0]}:{inner[1]}{f' in {inner[2]}' if inner[2] else ''}: {first}\n"
+                "  What you can do: report it with this output (the traceback is below); what the run recorded before "
+                "it is kept (named below), and your loop's own result is not in question.").rstrip(": ")
     own = [f for f in frames if not is_harness_file(f[0])]
     at = f" at {own[-1][0]}:{own[-1][1]}" + (f" in {own[-1][2]}" if own[-1][2] else "") if own else ""
-    message = (result.message or "").strip().splitlines()
-    return f"rank {root[0]} raised {result.exc_type or 'an exception'}{at}: {message[0] if message else ''}".rstrip(": ")
+    return f"rank {root[0]} raised {result.exc_type or 'an exception'}{at}: {first}".rstrip(": ")
+
+
+def is_internal_failure(exc_type: str, frames: list[tuple[str, str, str]]) -> bool:
+    """Whether an exception is the harness's own failure: Python's own exception type (an
+    AttributeError, a KeyError: not one of the errors the harness raises to tell a person what
+    to change, which are its own classes) raised in the harness's own code (the innermost
+    frame). A user's exception, or torch's raised inside the user's call, stays theirs."""
+    import builtins
+
+    return bool(frames) and is_harness_file(frames[-1][0]) and isinstance(getattr(builtins, exc_type or "", None), type)
 
 
 def backend_failure(outcome: RunOutcome) -> tuple[int, str] | None:

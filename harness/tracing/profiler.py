@@ -150,6 +150,7 @@ def profile_loop(case: Case, train: Any, ctx: DistContextLike, *, steps: int, wa
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from harness.context import DefaultGroupKept
     from harness.record.custom import CustomRun
     from harness.tracing.tracer import Tracer
 
@@ -190,7 +191,8 @@ def profile_loop(case: Case, train: Any, ctx: DistContextLike, *, steps: int, wa
         begin(0)
     with tracer:
         try:
-            train(ctx, run)
+            with DefaultGroupKept():  # a loop may destroy the default group at its end; the figures need one
+                train(ctx, run)
             run.check_ran_every_step(train)
         finally:
             run.stop_draws()
