@@ -271,6 +271,7 @@ def compare_to_reference(
         with clock("comparison_s"):
             result = compare(reference, record, policy, label=label)
         result.notes += notes
+        _read_reported_loss(result, record, reference, case)
         result.timing = clock.seconds
         return result
     with clock("calibration_s"):
@@ -294,6 +295,7 @@ def compare_to_reference(
             stepwise = replay_reference(case, source, replay_path(record.path))
         with clock("comparison_s"):
             result = compare(stepwise, record, policy, label=label)
+        _read_reported_loss(result, record, stepwise, case)
         if result.failures() and replicas > 1:  # values that need explaining, not names alone
             with clock("per_replica_s"):
                 result.per_replica = _per_replica_view(case, source, stepwise, policy, replicas)
@@ -305,6 +307,17 @@ def compare_to_reference(
         result.trajectory = trajectory_view(compare(reference, record, policy))
     result.timing = clock.seconds
     return result
+
+
+def _read_reported_loss(result: CompareResult, record: Record, reference: Record, case: Case) -> None:
+    """Where only the reported loss departs: the readings of the loop's numbers, said in a
+    note, and the training's verdict (:mod:`harness.analysis.loss_reading`)."""
+    from harness.analysis.loss_reading import read_reported_loss
+
+    reading = read_reported_loss(result, record, reference, case)
+    if reading is not None:
+        result.reported_loss = reading.to_dict()
+        result.notes.append(reading.sentence())
 
 
 class _PhaseClock:

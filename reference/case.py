@@ -337,6 +337,15 @@ class Case:
         per_sync = replicas if grad_reduction == "mean" else 1
         return per_loss * per_sync / self.global_batch_size
 
+    def collate_ids(self, sample_ids: Sequence[int], *, step: int | None = None) -> Batch:
+        """The batch of the dataset's samples with these ids (a loop's own loader names its
+        samples by id; the case's normaliser and the probe's expected input read them)."""
+        index = self.__dict__.get("_index_of_id")
+        if index is None:
+            index = {_sample_at(self.dataset, i).id: i for i in range(len(self.dataset))}
+            object.__setattr__(self, "_index_of_id", index)  # a cache, not a field
+        return collate(self.dataset, [index[int(i)] for i in sample_ids], dtype=self.dtype, step=step)
+
     def normaliser(self, batch: Batch) -> float:
         """What ``batch``'s loss is a mean over: ``loss_normaliser(batch)`` (a token count),
         else its number of samples."""

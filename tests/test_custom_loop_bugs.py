@@ -124,3 +124,40 @@ def test_a_bug_that_shows_only_after_the_epoch_wraps_is_named_in_a_long_run(rank
     assert divergence["step"] == 4 and ["samples", "ids"] in divergence["entries"], divergence
     ok = diagnose_target(f"{path}:correct", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok", steps=100)
     assert ok.verdict.verdict == "pass", ok.verdict.to_dict()
+
+
+@pytest.mark.parametrize("variant, reading", [("train", "shares"), ("samples_declared", "units")])
+def test_a_loss_only_difference_passes_and_says_which_reading_gives_the_reference(variant, reading, rank_runner, reference_cache,
+                                                                                  tmp_path) -> None:
+    """Token-normalised accumulation (Hugging Face's num_items_in_batch) is right; the loop
+    reports its loss otherwise than the harness reads it. Gradients and parameters match at
+    every step: a PASS that says how the loss was combined, the reading under which it is the
+    reference's, and the glue; the same loop with a gradient bug is still named."""
+    spec = f"{LOOPS / 'token_mean_accumulation.py'}:{variant}"
+    run = _diagnose(spec, rank_runner, reference_cache, tmp_path / variant)
+    assert run.verdict.verdict == "pass", run.verdict.to_dict()
+    said = run.comparison["reported_loss"]
+    assert said["matching"][0] == reading, said
+    first = said["steps"][0]
+    assert abs(first["readings"][reading] - first["reference"]) < 1e-4 < abs(first["readings"]["given"] - first["reference"]), first
+    assert any(n.startswith("only the reported loss differs") and "normaliser=" in n for n in run.comparison["notes"])
+    if variant == "train":
+        bug = _diagnose(f"{LOOPS / 'token_mean_accumulation.py'}:world_factor_forgotten", rank_runner, reference_cache, tmp_path / "bug")
+        assert bug.codes == ["grad-scaled"], bug.verdict.to_dict()
+
+
+def test_a_loss_difference_with_a_gradient_difference_is_never_excused() -> None:
+    """The reading is offered only where gradients and parameters were compared at the step
+    whose loss departs, and all of them matched."""
+    from types import SimpleNamespace
+
+    from harness.analysis.loss_reading import loss_only
+
+    def cmp(*rows):
+        return SimpleNamespace(structure=[], samples=[], tensors=[SimpleNamespace(step=s, kind=k, passed=p) for s, k, p in rows])
+
+    assert loss_only(cmp((0, "loss", False), (0, "grad", True), (0, "param", True)))
+    assert not loss_only(cmp((0, "loss", False), (0, "grad", False), (0, "param", True)))
+    assert not loss_only(cmp((0, "loss", False), (0, "param", True)))  # no gradient compared at that step
+    assert not loss_only(cmp((1, "loss", False), (0, "grad", True), (0, "param", True)))
+    assert not loss_only(cmp((0, "loss", True), (0, "grad", True), (0, "param", True)))  # nothing departs

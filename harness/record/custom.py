@@ -316,14 +316,14 @@ class CustomRun:
         ``loss_normaliser`` of those samples, else their number."""
         self._check_resumed_step(step, "loss")
         if normaliser is None and self.case.loss_normaliser is not None:
-            normaliser = self.case.normaliser(self._collate_ids(sample_ids, step))
+            normaliser = self.case.normaliser(self.case.collate_ids(sample_ids, step=step))
         self._rec("loss").micro_batch(step, loss, sample_ids, normaliser)
         probe = self.probe
         if probe is not None and step == probe.at_step and probe.input is not None and probe.loss is None:
             if probe.ids is None:  # the input came from the forward itself: what samples it should hold
                 probe.ids = [int(i) for i in sample_ids]
                 try:
-                    expected = self._collate_ids(sample_ids, step).inputs
+                    expected = self.case.collate_ids(sample_ids, step=step).inputs
                 except Exception:  # noqa: BLE001 - ids the case's dataset cannot collate: nothing to compare, the loop goes on
                     expected = None
                 probe.expected_input = map_tensors(lambda t: t.detach().cpu().clone(), expected) if expected is not None else None
@@ -332,16 +332,6 @@ class CustomRun:
         self._step(step)
         if self.tracer is not None:
             self.tracer.record_samples(step, sample_ids)
-
-    def _collate_ids(self, sample_ids: Sequence[int], step: int) -> Batch:
-        """The batch of the dataset's samples with these ids (for the case's normaliser)."""
-        from reference.case import _sample_at
-
-        index = self.__dict__.get("_index_of_id")
-        if index is None:
-            index = {_sample_at(self.case.dataset, i).id: i for i in range(len(self.case.dataset))}
-            self._index_of_id = index
-        return collate(self.case.dataset, [index[int(i)] for i in sample_ids], dtype=self.case.dtype, step=step)
 
     def shard(self, tensor: torch.Tensor, dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
         """Declare a hand-sharded tensor: this rank holds its slice along ``dim`` among the

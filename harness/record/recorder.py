@@ -349,6 +349,10 @@ class RankRecorder:
                 share = sum(w for _, w in pieces) if self.case.loss_normaliser is not None else samples
                 micro_entries.append((rec.micro_losses[-1], share))
         counted = sum(n for _, n in micro_entries)
+        # Each rank's pieces as the loop reported them (loss, ids, weight): another reading of
+        # the same numbers where only the reported loss differs (harness.analysis.loss_reading).
+        rec.extra["loss_pieces"] = {r["rank"]: [[loss, ids, weight] for loss, ids, weight in r["micro"] if loss is not None]
+                                    for r in holders}
         rec.loss = self.case.mean_loss(self.case.combine_losses(micro_entries), counted) if micro_entries and counted else None
         self._write_draws(step, everyone)
         rec.param_groups = _merge_param_groups([r["param_groups"] for r in everyone])
