@@ -639,9 +639,11 @@ def _diagnose_resume(target: str, resolved: Target, *, at: int, into: str | None
         first.verdict = verdict_for([*v.diagnoses, *second.verdict.diagnoses], passed=v.verdict == "pass" and second.resume["passed"],
                                     error=v.error)
     else:  # the resumed run itself failed: a checkpoint that does not load is the finding, shown as it failed
-        reason = (second.verdict.error or "").strip().splitlines()
+        # The error's first line is its cause (a rank's own exception, or the launcher's account);
+        # the lines after it name traces and folders.
+        reason = [line for line in (second.verdict.error or "").strip().splitlines() if line.strip()]
         first.resume = {"at": at, "skipped": f"the resumed run ended {second.verdict.verdict}"
-                                             + (f": {reason[-1]}" if reason else ""), "resumed_workdir": second.workdir}
+                                             + (f": {reason[0].strip()}" if reason else ""), "resumed_workdir": second.workdir}
         first.verdict = verdict_for([*v.diagnoses, *second.verdict.diagnoses], passed=False,
                                     hang=second.verdict.verdict == "hang", error=second.verdict.error or v.error)
     first.workdir = str(work)

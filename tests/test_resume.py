@@ -320,3 +320,19 @@ def test_hand_sharded_weights_resume_into_a_replicated_layout(rank_runner, refer
     resume = report.resume
     assert report.verdict.verdict == "pass", (report.verdict.to_dict(), resume)
     assert resume["load_exact"] and not resume["same_layout"]
+
+
+def test_a_scheduler_fast_forwarded_one_step_short_is_named_by_the_load_gate(rank_runner, reference_cache, tmp_path) -> None:
+    """The loop's own load fast-forwards a fresh scheduler by stepping it, one step short. The
+    loop's order of calls is right (the scheduler steps between before_step and after_step):
+    no order error; the load gate names the scheduler, and the continuation departs."""
+    target = tmp_path / "fast_forward.py"
+    target.write_text(GLUE_LOOP.replace("LOAD_OPTIMIZER", "run.optimizer.load_state_dict(state['optimizer'])")
+                      .replace("    run.lr_scheduler.load_state_dict(state[\"scheduler\"])\n",
+                               "    for _ in range(run.start - 1):  # BUG: one step short\n        run.lr_scheduler.step()\n"))
+    report = diagnose_target(str(target), resume_at=2, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.verdict == "fail", (report.verdict.to_dict(), report.resume)
+    assert "resume-scheduler-not-restored" in report.verdict.codes, report.verdict.to_dict()
+    [first, *_] = [d for d in report.resume["gate"] if d["code"] == "resume-scheduler-not-restored"]
+    assert (first["detail"]["saved_last_epoch"], first["detail"]["loaded_last_epoch"]) == (2, 1), first
+    assert "skipped" not in report.resume, report.resume

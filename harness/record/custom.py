@@ -88,6 +88,7 @@ class CustomRun:
         self._hooked_steps = 0  # optimizer steps seen by watch(hook_step=True)
         self._hook_step = False
         self.steps_done = 0  # steps recorded to the end (after_step calls)
+        self._epoch_before_step: Any = None  # the watched scheduler's last_epoch at before_step
         # Set by a profiled run (harness.tracing.profiler.profile_loop): called at the end of
         # each after_step, where one step ends and the next begins; the harness's own recording
         # is then annotated "harness.recording", so the profile leaves it out.
@@ -219,9 +220,13 @@ class CustomRun:
 
     def _check_scheduler_stepped(self, step: int) -> None:
         """The watched lr scheduler has stepped for ``step`` already: the reference records (and
-        a checkpoint saves) the lr of the next step, as after ``optimizer.step(); scheduler.step()``."""
+        a checkpoint saves) the lr of the next step, as after ``optimizer.step(); scheduler.step()``.
+        Said only where both hold: it did not step since :meth:`before_step` (so the order is
+        seen, not inferred from a count a resumed loop may have fast-forwarded wrongly, which is
+        the load gate's to name) and its count is the step's."""
         epoch = getattr(self.lr_scheduler, "last_epoch", None)
-        if isinstance(epoch, int) and epoch == step and not self._hook_step:  # a step hook runs before any scheduler
+        stepped = epoch != self._epoch_before_step
+        if isinstance(epoch, int) and epoch == step and not stepped and not self._hook_step:  # a step hook runs before any scheduler
             raise RecorderError(f"run.after_step({step}): the watched lr scheduler has not stepped for step {step} yet "
                                 f"(its last_epoch is {epoch}). The case's schedule, like the reference, steps it once after "
                                 "every optimizer step, and the harness records (and saves checkpoints) after the whole "
@@ -355,6 +360,7 @@ class CustomRun:
             self.probe.detach()
         with self._harness_phase():
             rec.grads(step)
+        self._epoch_before_step = getattr(self.lr_scheduler, "last_epoch", None)
 
     def after_step(self, step: int) -> None:
         """Collective: call just after ``optimizer.step()`` (parameters, optimizer state)."""
