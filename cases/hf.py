@@ -95,20 +95,22 @@ def tiny_qwen2_moe(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads:
     return Qwen2MoeForCausalLM(config)
 
 
-def tiny_bert(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, seq: int = 16) -> nn.Module:
+def tiny_bert(*, vocab: int = 32, hidden: int = 32, layers: int = 2, heads: int = 4, seq: int = 16,
+              attention: str = "eager") -> nn.Module:
     """``BertForMaskedLM`` with 2 layers, hidden 32, and BERT's default dropout: 0.1 on the
     hidden states and 0.1 on the attention probabilities (a mask over every head), as the
-    config ships (random init)."""
+    config ships (random init). ``attention="sdpa"``: transformers' default, the attention
+    dropout drawn inside ``scaled_dot_product_attention``."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=2 * hidden, max_position_embeddings=seq, attn_implementation="eager",
+        intermediate_size=2 * hidden, max_position_embeddings=seq, attn_implementation=attention,
     )
     return BertForMaskedLM(config)
 
 
-HF_MODELS = {"llama": tiny_llama, "bert": tiny_bert, "gpt2": tiny_gpt2, "qwen3": tiny_qwen3, "qwen2-moe": tiny_qwen2_moe,
+HF_MODELS = {"llama": tiny_llama, "bert": tiny_bert, "bert-sdpa": functools.partial(tiny_bert, attention="sdpa"), "gpt2": tiny_gpt2, "qwen3": tiny_qwen3, "qwen2-moe": tiny_qwen2_moe,
              "qwen2-moe-router-loss": functools.partial(tiny_qwen2_moe, router_loss=True)}
 
 

@@ -38,17 +38,38 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = ["DrawReplay", "RankDraws", "forward_draws_random_numbers", "random_output"]
 
 
+# What a fused attention kernel returns of the generator it drew from (CUDA's flash,
+# memory-efficient and cuDNN kernels): its Philox seed and offset, which decide the mask.
+_KERNEL_RNG_RETURNS = ("rng_state", "philox_seed", "philox_offset")
+
+
 def random_output(func: Any, args: tuple, kwargs: Mapping[str, Any] | None, out: Any) -> Any:
     """The tensor holding what a seeded op drew from the generator, for its fingerprint: the
     mask of a dropout (its scaled output mixes in the data, which differs between the shards
     of tensor-parallel peers that drew the same mask), the output of a pure draw (``rand``,
-    ``bernoulli_``). ``False``: the op drew nothing (attention with ``dropout_p == 0``, tagged
-    seeded because it could). None: it drew, but its random part is not separable (attention
-    dropout): recorded by op and shape only."""
+    ``bernoulli_``), the Philox seed and offset a fused attention kernel returns (the same on
+    two ranks: the same mask). ``False``: the op drew nothing (an op with ``dropout_p == 0``,
+    tagged seeded because it could). None: it drew, but what it drew cannot be read (a fused
+    kernel that returns no generator state): recorded by op and shape only.
+
+    An op that takes ``dropout_p`` is read by its schema (the attention ops differ in where
+    the argument sits: ``attn_mask`` or ``attn_bias`` come first in some)."""
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        at = names.index("dropout_p")
+        p = args[at] if at < len(args) else (kwargs or {}).get("dropout_p", 0.0)
+        if not p:
+            return False
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        returns = [r.name for r in schema.returns]
+        state = [outs[i] for i, name in enumerate(returns)
+                 if name in _KERNEL_RNG_RETURNS and i < len(outs) and isinstance(outs[i], torch.Tensor) and outs[i].numel()
+                 and outs[i].device.type != "meta"]
+        if not state:
+            return None
+        return torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in state])
     name = str(func.overloadpacket.__name__)
-    if "scaled_dot_product" in name:
-        p = args[3] if len(args) > 3 else (kwargs or {}).get("dropout_p", 0.0)
-        return False if not p else None
     if name == "native_dropout" and isinstance(out, (tuple, list)) and len(out) > 1:
         return out[1]
     return out[0] if isinstance(out, (tuple, list)) else out

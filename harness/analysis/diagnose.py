@@ -724,6 +724,7 @@ class Analysis:
         (harness.tracing.random_ops)."""
         if _root_found(found):
             return []
+        self._note_unreadable_draws()
         replays = [(s.step, s.extra["draw_replay"]) for s in self.ref.steps if "draw_replay" in s.extra]
         judged = self._judge_replayed_draws(replays) if replays else []
         if judged:
@@ -736,6 +737,21 @@ class Analysis:
 
         draws = {rank: rt.random_ops for rank, rt in self.trace.ranks.items() if rt.random_ops}
         return check_random_ops(draws, self.layouts) if draws else []
+
+    def _note_unreadable_draws(self) -> None:
+        """Said plainly: a random op whose draw cannot be read (a fused kernel that returns no
+        generator state, reference.draws.random_output) is not judged; no code is named there."""
+        from harness.tracing.random_ops import hooks_short
+
+        if self.trace is None:
+            return
+        unread = {(d.op, hooks_short(d.call_site)) for rt in self.trace.ranks.values() for d in (rt.random_ops or [])
+                  if not d.digest}
+        for op, site in sorted(unread)[:3]:
+            self.cmp.notes.append(f"random op {op} at {site} drew inside a fused kernel that returns no generator state: "
+                                  "whether tensor-parallel ranks drew alike there is not judged (no rng-desync can be named "
+                                  "at that op); the eager attention, or a kernel that returns its Philox seed and offset "
+                                  "(CUDA's flash, memory-efficient, cuDNN), can be judged")
 
     def _judge_replayed_draws(self, replays: list[tuple[int, dict[str, Any]]]) -> list[Diagnosis]:
         """TP peers of one replica must draw a replicated tensor alike (the same dropout mask on
