@@ -142,11 +142,40 @@ def default_checkpoint_state(case: Any, setup: Any) -> dict[str, Any]:
 
 
 def default_rank_state(setup: Any) -> dict[str, Any]:
-    """This rank's own part of a checkpoint: ``{"rng"}`` and, with one, ``{"lr_scheduler"}``."""
+    """This rank's own part of a checkpoint: ``{"rng"}``, with one ``{"lr_scheduler"}``, and
+    the digests of its model's persistent buffers (``{"buffers"}``: the load gate's witness of
+    state the forward reads that no optimizer holds; the buffers themselves travel with the
+    model's state dict)."""
     rank: dict[str, Any] = {"rng": rng_state()}
     if setup.lr_scheduler is not None:
         rank["lr_scheduler"] = setup.lr_scheduler.state_dict()
+    buffers = buffer_digests(setup.model)
+    if buffers:
+        rank["buffers"] = buffers
     return rank
+
+
+def buffer_digests(model: nn.Module | Sequence[nn.Module] | None) -> dict[str, str]:
+    """Name -> SHA-256 prefix of each persistent buffer of ``model`` (this rank's local values:
+    a DTensor's shard), as ``state_dict()`` names it."""
+    import hashlib
+
+    if model is None:
+        return {}
+    out: dict[str, str] = {}
+    for i, module in enumerate(_modules(model)):
+        prefix = f"{i}." if not isinstance(model, nn.Module) else ""
+        for owner_name, owner in module.named_modules():
+            for name, buffer in owner.named_buffers(recurse=False):
+                if buffer is None or name in getattr(owner, "_non_persistent_buffers_set", ()):
+                    continue
+                if hasattr(buffer, "to_local") and not all(p.is_replicate() for p in buffer.placements):
+                    continue  # a sharded buffer's local piece depends on the layout: not one value to witness
+                local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
+                data = local.detach().to("cpu").contiguous().reshape(-1)
+                key = f"{prefix}{owner_name + '.' if owner_name else ''}{name}"
+                out[key] = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16] if data.numel() else "empty"
+    return out
 
 
 def load_default_checkpoint_state(case: Any, setup: Any, state: dict[str, Any]) -> None:

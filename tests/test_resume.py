@@ -336,3 +336,100 @@ def test_a_scheduler_fast_forwarded_one_step_short_is_named_by_the_load_gate(ran
     [first, *_] = [d for d in report.resume["gate"] if d["code"] == "resume-scheduler-not-restored"]
     assert (first["detail"]["saved_last_epoch"], first["detail"]["loaded_last_epoch"]) == (2, 1), first
     assert "skipped" not in report.resume, report.resume
+
+
+# -- what the load gate sees beyond the optimizer's state -------------------------------------
+def test_a_duplicated_chunk_is_said_as_the_rank_that_holds_another_ranks_shard() -> None:
+    from harness.analysis.resume import chunk_duplication
+
+    saved = torch.arange(24.0).reshape(4, 6)
+    assert chunk_duplication(saved, torch.cat([saved[:2], saved[:2]])) == {"dim": 0, "chunks": 2, "sources": [0, 0]}
+    assert chunk_duplication(saved, saved.flip(0)) is None  # a permutation is the permuted-chunk check's
+    assert chunk_duplication(saved, saved + 1) is None
+
+
+EVERY_RANK_LOADS_RANK_ZERO = '''
+import torch
+import torch.distributed as dist
+from cases.catalog import mlp_case
+from cases.strategies.fsdp import FSDPStrategy
+
+NPROC = 2
+CASE = mlp_case("adamw")
+
+
+class EveryRankLoadsRankZero(FSDPStrategy):
+    name = "fsdp-rank-zero-shards"
+
+    def load_checkpoint_state(self, case, setup, state):
+        super().load_checkpoint_state(case, setup, state)
+        with torch.no_grad():  # BUG: every rank reads rank 0's shard files
+            for param in setup.model.parameters():
+                dist.broadcast(param.to_local(), src=0)
+
+
+STRATEGY = EveryRankLoadsRankZero
+'''
+
+
+def test_every_rank_loading_rank_zeros_fsdp_shards_names_the_duplicated_chunk(rank_runner, reference_cache, tmp_path) -> None:
+    target = tmp_path / "rank_zero_shards.py"
+    target.write_text(EVERY_RANK_LOADS_RANK_ZERO)
+    report = diagnose_target(str(target), resume_at=2, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.codes == ["resume-value-differs"], report.verdict.to_dict()
+    duplicated = [d for d in report.resume["gate"] if d["detail"].get("duplicated")]
+    assert duplicated and duplicated[0]["detail"]["sources"] == [0, 0], report.resume["gate"]
+    assert "rank 1 holds rank 0's chunk" in duplicated[0]["line"], duplicated[0]
+    summary = report.verdict.diagnoses[0].summary
+    assert "()" not in summary and "loaded values differ" in summary, summary
+
+
+BUFFER_LOOP = GLUE_LOOP.replace('''CASE = dataclasses.replace(mlp_case("sgd", steps=4), lr_scheduler_factory=functools.partial(''', '''from torch import nn
+
+
+class Warmup(nn.Module):
+    """An MLP whose output scale warms up over its first forwards: a buffer the forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp_case("sgd").model_factory()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.seen += 1
+        return self.inner(x) * (1 + 0.25 * self.seen.clamp(max=4))
+
+
+CASE = dataclasses.replace(mlp_case("sgd", steps=4), model_factory=Warmup, lr_scheduler_factory=functools.partial(''').replace(
+    '''    torch.save({"model": run.model.state_dict(),''', '''    torch.save({"model": dict(run.model.named_parameters()),''').replace(
+    '''    run.model.load_state_dict(state["model"])''', '''    run.model.load_state_dict(state["model"], strict=False)  # BUG: no buffers in it''')
+
+
+def test_a_checkpoint_without_the_models_buffers_is_named_at_the_buffer(rank_runner, reference_cache, tmp_path) -> None:
+    """The loop saves named_parameters() only: parameters and optimizer load exactly, the
+    running count the forward reads starts over. The gate names the buffer."""
+    target = tmp_path / "buffer_loop.py"
+    target.write_text(BUFFER_LOOP.replace("LOAD_OPTIMIZER", "run.optimizer.load_state_dict(state['optimizer'])"))
+    report = diagnose_target(str(target), resume_at=2, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.codes == ["resume-value-differs"], (report.verdict.to_dict(), report.resume)
+    [buffer] = [d for d in report.resume["gate"] if d["what"] == "buffer"]
+    assert buffer["name"] == "seen" and "named_parameters()" in buffer["line"], buffer
+
+
+RESEEDED_LOOP = open(__file__.replace("test_resume.py", "../cases/custom_example.py")).read().replace(
+    'CASE = mlp_case("adamw")', 'CASE = mlp_case("adamw", steps=4, dropout=0.2)').replace(
+    "    for step in range(run.start, run.steps):", "    if run.start:\n        torch.manual_seed(CASE.seed)  # BUG: re-seeded after the load\n"
+    "    for step in range(run.start, run.steps):", 1).replace("import torch.distributed as dist", "import torch\nimport torch.distributed as dist")
+
+
+def test_a_reseed_after_the_load_names_the_random_op_that_drew_otherwise(rank_runner, reference_cache, tmp_path) -> None:
+    """The load is exact (the RNG too); the loop then re-seeds. The continuation departs, and
+    the draws both runs logged say which op drew from another generator state first."""
+    target = tmp_path / "reseeded.py"
+    target.write_text(RESEEDED_LOOP)
+    report = diagnose_target(str(target), resume_at=2, runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.codes == ["resume-continuation-departs"], (report.verdict.to_dict(), report.resume)
+    first = report.resume["continuation"]["first_difference"]
+    assert first["step"] == 2 and first["draw"]["op"].startswith("aten.") and "re-seeded" in first["what"], first

@@ -31,7 +31,7 @@ from reference.record import Record, split_optim_state_name
 
 from harness.codes import Diagnosis
 
-__all__ = ["GateDifference", "ResumeCheck", "check_resume", "chunk_permutation"]
+__all__ = ["GateDifference", "ResumeCheck", "check_resume", "chunk_duplication", "chunk_permutation"]
 
 # What each gate code says, in the order a summary lists them.
 _GATE_CODES = (
@@ -93,8 +93,9 @@ class ResumeCheck:
             if not mine:
                 continue
             first = mine[0]
+            summary, line = _summaries[code](mine), first.line()
             found.append(Diagnosis(code, f"after loading the checkpoint of step {self.at - 1} ({self._layouts()}): "
-                                         f"{_summaries[code](mine)}; first: {first.line()}", {
+                                         + (summary if line == summary else f"{summary}; first: {line}"), {
                 "at": self.at, "first": asdict(first), "differences": [d.line() for d in mine[:12]], "count": len(mine),
                 "saved_record": self.saved, "resumed_record": self.resumed,
             }))
@@ -156,8 +157,14 @@ _summaries: dict[str, Any] = {
                                            f"{ds[0].detail.get('loaded_first_draw')} loaded)"),
     "resume-data-position-lost": lambda ds: ds[0].detail.get("sentence", "the first resumed batch re-uses consumed samples"),
     "resume-chunks-permuted": lambda ds: f"{len(ds)} tensors hold the saved chunks in another order ({_names(ds)})",
-    "resume-value-differs": lambda ds: f"{len(ds)} loaded values differ from the saved ones ({_names(ds)})",
+    "resume-value-differs": lambda ds: (f"{len(ds)} loaded {'value differs' if len(ds) == 1 else 'values differ'} from the "
+                                        f"saved {'one' if len(ds) == 1 else 'ones'} ({_names(ds) or _whats(ds)})"),
 }
+
+
+def _whats(diffs: list[GateDifference]) -> str:
+    """What differed, where the differences have no names (the optimizer's param groups)."""
+    return ", ".join(dict.fromkeys(d.what.replace("_", " ") for d in diffs))
 
 
 def chunk_permutation(saved: torch.Tensor, loaded: torch.Tensor, *, most: int = 16) -> dict[str, Any] | None:
@@ -183,6 +190,40 @@ def chunk_permutation(saved: torch.Tensor, loaded: torch.Tensor, *, most: int = 
     return None
 
 
+def chunk_duplication(saved: torch.Tensor, loaded: torch.Tensor, *, most: int = 16) -> dict[str, Any] | None:
+    """Where ``loaded`` is ``saved`` with some of its ``torch.chunk`` pieces along one dim
+    replaced by copies of another saved piece (every rank loading rank 0's shard):
+    ``{"dim", "chunks", "sources"}`` (``sources[i]``: which saved chunk sits at position i, a
+    repeat among them), the fewest chunks first; else None."""
+    if saved.shape != loaded.shape or saved.dim() == 0:
+        return None
+    for dim in range(saved.dim()):
+        size = saved.shape[dim]
+        for count in range(2, min(size, most) + 1):
+            if size % count:
+                continue
+            have, want = loaded.chunk(count, dim), saved.chunk(count, dim)
+            sources: list[int] = []
+            for position, piece in enumerate(have):
+                j = position if torch.equal(piece, want[position]) else next(
+                    (j for j, w in enumerate(want) if torch.equal(piece, w)), None)
+                if j is None:
+                    break
+                sources.append(j)
+            if len(sources) == count and len(set(sources)) < count:
+                return {"dim": dim, "chunks": count, "sources": sources}
+    return None
+
+
+def _duplicated_sentence(kind: str, name: str, found: dict[str, Any]) -> str:
+    moved = [(p, j) for p, j in enumerate(found["sources"]) if p != j]
+    said = ", ".join(f"position {p} holds saved chunk {j}" for p, j in moved[:4])
+    p, j = moved[0]
+    return (f"{kind} {name!r}: of its {found['chunks']} chunks along dim {found['dim']}, {said}: a duplicated chunk - the "
+            f"rank holding chunk {p} loaded chunk {j}'s shard (sharded over {found['chunks']} ranks as FSDP2 shards, rank {p} "
+            f"holds rank {j}'s chunk; chunk {p} itself was never loaded)")
+
+
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return math.inf
@@ -205,6 +246,9 @@ def _gate_tensors(saved: Record, resumed: Record, step: int, check: ResumeCheck)
                 check.gate.append(GateDifference("resume-step-reset", kind, name, detail={"saved": float(a), "loaded": float(b)}))
             elif (perm := chunk_permutation(a, b)) is not None:
                 check.gate.append(GateDifference("resume-chunks-permuted", kind, name, detail=perm))
+            elif (dup := chunk_duplication(a, b)) is not None:
+                check.gate.append(GateDifference("resume-value-differs", kind, name, detail={
+                    **dup, "duplicated": True, "sentence": _duplicated_sentence(kind, name, dup)}))
             else:
                 check.gate.append(GateDifference("resume-value-differs", kind, name, detail={
                     "max_abs": float(f"{_max_abs(a, b):.3g}"), "saved": f"{tuple(a.shape)} {a.dtype}", "loaded": f"{tuple(b.shape)} {b.dtype}"}))
@@ -251,6 +295,7 @@ def _gate_ranks(resumed: Record, checkpoint: str, check: ResumeCheck) -> None:
             check.gate.append(GateDifference("resume-rng-not-restored", "rng", rank=rank, detail={
                 "saved_first_draw": float.fromhex(want["rng"]["first_draw"]),
                 "loaded_first_draw": float.fromhex(have["rng"]["first_draw"]) if have.get("rng") else None}))
+        _gate_buffers(want.get("buffers") or {}, have.get("buffers") or {}, rank, check)
         if "lr_scheduler" in want or "lr_scheduler" in have:
             diff = DeepDiff(want.get("lr_scheduler"), have.get("lr_scheduler"))
             if diff:
@@ -258,6 +303,21 @@ def _gate_ranks(resumed: Record, checkpoint: str, check: ResumeCheck) -> None:
                 check.gate.append(GateDifference("resume-scheduler-not-restored", "lr_scheduler", rank=rank, detail={
                     "saved_last_epoch": w.get("last_epoch"), "loaded_last_epoch": h.get("last_epoch"),
                     "saved_last_lr": w.get("_last_lr"), "loaded_last_lr": h.get("_last_lr")}))
+
+
+def _gate_buffers(want: dict[str, str], have: dict[str, str], rank: int, check: ResumeCheck) -> None:
+    """The model's persistent buffers (a running statistic the forward reads) on ``rank``,
+    right after the load, against their digests when saved; named once each, on the first rank
+    where they differ. Names only one side has (another layout's wrapper prefixes) are not
+    compared."""
+    if want:
+        check.compared["buffers"] = max(check.compared.get("buffers", 0), len(want))
+    for name in want:
+        if name in have and have[name] != want[name] and not any(d.what == "buffer" and d.name == name for d in check.gate):
+            check.gate.append(GateDifference("resume-value-differs", "buffer", name, rank=rank, detail={
+                "sentence": f"model buffer {name!r} on rank {rank} is not the one saved: the forward reads it, and the "
+                            "checkpoint did not bring it back (a state of named_parameters() leaves buffers out; save and "
+                            "load model.state_dict())"}))
 
 
 def _draws_after(resumed: Record, rank: int, at: int) -> bool:
@@ -298,6 +358,11 @@ def _bitwise_continuation(saved: Record, resumed: Record, at: int) -> dict[str, 
     out: dict[str, Any] = {"compared": "bitwise", "last_step": last}
     for step in range(at, last + 1):
         a, b = saved.step(step), resumed.step(step)
+        if (drew := _first_draw_difference(a.extra.get("draws") or {}, b.extra.get("draws") or {})) is not None:
+            # The same program from the same bits draws the same numbers: a draw from another
+            # generator state comes first, whatever the losses say after it.
+            out["first_difference"] = {"step": step, "what": drew.pop("sentence"), "draw": drew}
+            return out
         if [float(x).hex() for x in a.micro_losses] != [float(x).hex() for x in b.micro_losses]:
             out["first_difference"] = {"step": step, "what": f"micro-batch losses {a.micro_losses} vs {b.micro_losses}"}
             return out
@@ -312,6 +377,26 @@ def _bitwise_continuation(saved: Record, resumed: Record, at: int) -> dict[str, 
                                                "kind": kind, "name": name}
                     return out
     return out
+
+
+def _first_draw_difference(saved: dict[str, list[dict[str, Any]]], resumed: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """The first random op, rank by rank, that the resumed run drew otherwise than the
+    uninterrupted one (another op, or the same op from another generator state), from the
+    draw logs both runs kept (a forward that draws); None where they agree or one has none."""
+    if not saved or not resumed:
+        return None
+    from harness.tracing.random_ops import hooks_short
+
+    for rank in sorted(set(saved) & set(resumed), key=int):
+        for i, (want, have) in enumerate(zip(saved[rank], resumed[rank])):
+            if (want.get("op"), want.get("state")) == (have.get("op"), have.get("state")):
+                continue
+            how = "from another generator state" if want.get("op") == have.get("op") else f"{have.get('op')} where it drew {want.get('op')}"
+            return {"rank": int(rank), "index": i, "op": want.get("op"), "call_site": have.get("call_site", ""),
+                    "sentence": f"rank {rank}'s random op #{i} ({want.get('op')} at {hooks_short(have.get('call_site', ''))}) "
+                                f"drew {how} than in the uninterrupted run: the generator was re-seeded or advanced "
+                                "after the load"}
+    return None
 
 
 def _stepwise_continuation(comparison: Any, at: int, last: int) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from reference.files import write_atomic
 from reference.record import is_dtensor
 
 from harness.record.recorder import _rank_world
-from harness.strategy import default_checkpoint_state, default_rank_state, load_default_checkpoint_state, rng_state
+from harness.strategy import buffer_digests, default_checkpoint_state, default_rank_state, load_default_checkpoint_state, rng_state
 
 __all__ = [
     "CheckpointError",
@@ -278,6 +278,9 @@ def loaded_view(setup: Any) -> dict[str, Any]:
     view: dict[str, Any] = {"rng": rng_view(rng_state())}
     if setup.lr_scheduler is not None:
         view["lr_scheduler"] = _jsonable(setup.lr_scheduler.state_dict())
+    buffers = buffer_digests(setup.model)
+    if buffers:
+        view["buffers"] = buffers
     return view
 
 
@@ -288,6 +291,8 @@ def saved_view(rank_state: dict[str, Any]) -> dict[str, Any]:
         view["rng"] = rng_view(rank_state["rng"])
     if "lr_scheduler" in rank_state:
         view["lr_scheduler"] = _jsonable(rank_state["lr_scheduler"])
+    if "buffers" in rank_state:
+        view["buffers"] = dict(rank_state["buffers"])
     return view
 
 
