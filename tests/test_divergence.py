@@ -309,6 +309,9 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     # ops match up to nll_loss_forward, then the rank's extra ops (label smoothing; torch's own
     # loss_parallel() divided by the TP size) are the location, unpaired
     ("tests/custom_loops/loss_label_smoothing.py", "loss", "<loss>", 1, "aten.sum.dim_IntList"),
+    # the same from the loop's own DataLoader: the input taken from the model call, the targets
+    # from the samples run.loss names
+    ("tests/custom_loops/loss_label_smoothing.py:own_loader", "loss", "<loss>", 1, "aten.sum.dim_IntList"),
     ("tests/custom_loops/tp_loss_parallel.py", "loss", "<loss>", 0, "aten.div.Tensor"),
     # a pipeline's later stage, against the reference replayed on the same micro-batch: the
     # activation sent in bfloat16 departs between the stages (stage 1's input against stage
@@ -362,7 +365,7 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
         assert "the first op of the loss beyond the rule: aten.sum.dim_IntList" in where[0]["line"]
     if target.endswith(":target_not_offset"):
         assert (where[0]["last_matched"]["op"], where[0]["unpaired_before"]) == ("aten.log.default", ["aten.sub.Tensor"]), where[0]
-    if target.endswith(("loss_label_smoothing.py", "tp_loss_parallel.py")):
+    if target.endswith(("loss_label_smoothing.py", "loss_label_smoothing.py:own_loader", "tp_loss_parallel.py")):
         assert report.codes == (["numeric-mismatch"] if "smoothing" in target else ["grad-scaled"]), report.codes
         assert where[0]["unpaired"] and where[0]["last_matched"]["op"] == "aten.nll_loss_forward.default", where[0]
         assert "after which the rank computes what the reference's loss has not" in where[0]["line"]
@@ -379,6 +382,7 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
 @pytest.mark.parametrize("target", ["tests/custom_loops/tp_norm_on_local_shard.py:correct",
                                     "tests/custom_loops/vocab_parallel_padded_loss.py:correct",
                                     "tests/custom_loops/loss_label_smoothing.py:correct",
+                                    "tests/custom_loops/loss_label_smoothing.py:own_loader_correct",
                                     "tests/custom_loops/tp_loss_parallel.py:correct",
                                     "tests/custom_loops/pp_stage_boundary.py:correct",
                                     "tests/custom_loops/vocab_parallel_embedding.py:correct",
@@ -634,3 +638,16 @@ def test_a_later_steps_replay_takes_each_dropouts_mask_from_the_rank_and_names_d
 
     functional = dataclasses.replace(mlp_case(), model_factory=Wrapped)
     assert _replay_reference(functional, torch.randn(2, 8), masks={}).own_draws == frozenset({"inner"})
+
+
+def test_a_run_that_cannot_be_located_says_what_the_probe_lacked() -> None:
+    from types import SimpleNamespace
+
+    from harness.analysis.diagnose import _unlocated_because
+
+    assert "no first forward" in _unlocated_because(None)
+    assert "input" in _unlocated_because(SimpleNamespace(ranks=[{"input": None}, {"input": None}]))
+    named = _unlocated_because(SimpleNamespace(ranks=[{"input": 1, "targets": None, "missing": "the samples [9] named in run.loss are not ids"}]))
+    assert named.startswith("the samples [9]") and "cannot be replayed" in named
+    assert "targets are unknown" in _unlocated_because(SimpleNamespace(ranks=[{"input": 1, "targets": None}]))
+    assert _unlocated_because(SimpleNamespace(ranks=[{"input": 1, "targets": 2}])) == ""

@@ -61,6 +61,24 @@ _ROOT_CODES = frozenset(
 )
 
 
+def _unlocated_because(probe: Any) -> str:
+    """What the probe lacked to locate a failed run, in words ("" where it had what it needs:
+    the departure is then outside what it replays, e.g. the gradient sync or the update)."""
+    if probe is None:
+        return "no first forward was probed (a loop's model is probed from run.watch on)"
+    entries = probe.ranks or []
+    if entries and all(e.get("input") is None for e in entries):
+        return ("no rank's first forward of the probed step was seen with its input (a model called outside the module "
+                "handed to run.watch)")
+    missing = next((e["missing"] for e in entries if e.get("missing")), "")
+    if missing:
+        return f"{missing}: the reference cannot be replayed on that micro-batch"
+    if entries and all(e.get("targets") is None for e in entries):
+        return ("the probed micro-batch's targets are unknown (no run.batches, and no sample ids in run.loss for its "
+                "first forward): the loss and the backward cannot be replayed")
+    return ""
+
+
 def _root_found(found: Iterable[Diagnosis]) -> bool:
     """A named root cause (samples, mesh, forward, structure) explains the value differences.
     Names that differ only by a renaming the comparison resolved from the shapes are not one:
@@ -246,6 +264,8 @@ class Analysis:
         if where is not None:
             for d in found:
                 d.evidence.setdefault("first_divergent_op", where)
+        elif (why := _unlocated_because(self.probe)):
+            self.cmp.notes.append(f"where it departs is not located: {why}")
 
     # -- trace checks (harness.tracing) --------------------------------------------------------
 

@@ -328,10 +328,17 @@ class CustomRun:
             if probe.ids is None:  # the input came from the forward itself: what samples it should hold
                 probe.ids = [int(i) for i in sample_ids]
                 try:
-                    expected = self.case.collate_ids(sample_ids, step=step).inputs
+                    expected = self.case.collate_ids(sample_ids, step=step)
                 except Exception:  # noqa: BLE001 - ids the case's dataset cannot collate: nothing to compare, the loop goes on
                     expected = None
-                probe.expected_input = map_tensors(lambda t: t.detach().cpu().clone(), expected) if expected is not None else None
+                    probe.missing = f"the samples {probe.ids[:6]} named in run.loss are not ids of the case's dataset"
+                if expected is not None:
+                    probe.expected_input = map_tensors(lambda t: t.detach().cpu().clone(), expected.inputs)
+                    # The loss and the backward are replayed on these samples' targets, as the
+                    # case's dataset holds them (the loop's own loader gave the model their inputs).
+                    probe.targets = map_tensors(lambda t: t.detach().cpu().clone(), expected.targets)
+                    if isinstance(loss, torch.Tensor):
+                        probe.keep_loss(loss)
             elif [int(i) for i in sample_ids] == probe.ids and isinstance(loss, torch.Tensor):
                 probe.keep_loss(loss)  # the probed micro-batch's loss: replayed against the reference's
         self._step(step)

@@ -378,6 +378,8 @@ class ActivationProbe:
         # The collated samples of ``ids`` when the input was taken from the forward itself (a
         # loop with its own loader): an input that is not those samples departs before the model.
         self.expected_input: Any = None
+        # Why the probed micro-batch cannot be replayed, where it cannot (said with the verdict).
+        self.missing = ""
         # What the first forward itself received: for a later pipeline stage, the activation the
         # stage before sent (compared with that stage's output on the same micro-batch).
         self.forward_input: Any = None
@@ -620,6 +622,7 @@ def probe_entry(probe: ActivationProbe, rank: int, layout: Any, value: Callable[
         "targets": tree(probe.targets),
         "loss": of(probe.loss),
         "ids": probe.ids,
+        "missing": probe.missing,
         "expected_input": probe.expected_input,
         "forward_input": tree(probe.forward_input),
         "order": probe.order if value is None else list(probe.order),
