@@ -295,6 +295,10 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     ("tests/custom_loops/tp_inline_row_parallel.py:bias_before_reduce", "forward", "<model output>", 0, "aten.add.Tensor"),
     # a LayerNorm over features sharded by hand, normalised over each rank's half: its own op
     ("tests/custom_loops/tp_norm_on_local_shard.py", "forward", "blocks.0.norm", 0, "aten.native_layer_norm.default"),
+    # a residual added a second time on the last TP rank, inline in the model's forward: the
+    # norm after it departs on every rank (its statistics are all-reduced); the extra add, with
+    # no counterpart in the reference, changed the value the matching add left - there, rank 1
+    ("tests/custom_loops/tp_norm_on_local_shard.py:residual_twice", "forward", "<model output>", 1, "aten.add.Tensor"),
     # vocab-parallel cross entropy that lets the padded logit in: the forward matches up to the
     # model's output (the head's padded shard compared on its real rows), the loss does not
     # - and inside the loss (its ops against the reference's cross entropy decomposed), the sum
@@ -371,6 +375,9 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
         assert "after which the rank computes what the reference's loss has not" in where[0]["line"]
     if target.endswith("pp_stage_boundary.py"):
         assert (where[0]["stage_input"], where[0]["sent_by"]) == (True, 0) and "between pipeline stages" in where[0]["line"]
+    if target.endswith(":residual_twice"):
+        assert (where[0]["unpaired"], where[0]["inline_before"], where[0]["last_matched"]["op"]) == \
+            (True, "blocks.1.norm", "aten.add.Tensor"), where[0]
     if target.endswith(":extra_activation"):
         assert where[0]["inline_unpaired"] == ["aten.gelu.default"], where[0]
     if target.endswith("eval_mode_after_validation.py"):

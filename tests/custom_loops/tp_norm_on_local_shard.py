@@ -88,8 +88,9 @@ def _keep(module, name, index):
 
 
 class FeatureShardedLM(nn.Module):
-    def __init__(self, full, rank, world, bug):
+    def __init__(self, full, rank, world, bug, residual_twice=False):
         super().__init__()
+        self.residual_twice = residual_twice and rank == world - 1
         self.embed, self.blocks, self.norm, self.head = full.embed, full.blocks, full.norm, full.head
         n = full.embed.embedding_dim // world
         cols, rows = (slice(None), slice(rank * n, (rank + 1) * n)), slice(rank * n, (rank + 1) * n)
@@ -112,13 +113,14 @@ class FeatureShardedLM(nn.Module):
         x = self.embed(tokens)                                                   # this rank's features
         for block in self.blocks:
             h = _ReducePartial.apply(F.linear(block.norm(x), block.up.weight)) + block.up.bias
-            x = x + block.down(_CopyToShards.apply(F.gelu(h)))
+            out = x + block.down(_CopyToShards.apply(F.gelu(h)))
+            x = out + x if self.residual_twice else out  # BUG (residual_twice): the last rank adds it again
         return _ReducePartial.apply(F.linear(self.norm(x), self.head.weight)) + self.head.bias
 
 
-def train(ctx, run, bug=None):
+def train(ctx, run, bug=None, residual_twice=False):
     bug = BUG if bug is None else bug
-    model = FeatureShardedLM(CASE.build_model(ctx.device), ctx.rank, ctx.world_size, bug)
+    model = FeatureShardedLM(CASE.build_model(ctx.device), ctx.rank, ctx.world_size, bug, residual_twice)
     for p, dim in model.sharded():
         run.shard(p, dim, group=dist.group.WORLD)
     optimizer = CASE.build_optimizer(model.parameters())
@@ -136,3 +138,8 @@ def train(ctx, run, bug=None):
 
 def correct(ctx, run):
     train(ctx, run, bug=False)
+
+
+def residual_twice(ctx, run):
+    """The norms right; the last rank adds a block's residual twice (its features only)."""
+    train(ctx, run, bug=False, residual_twice=True)

@@ -148,10 +148,18 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
         first.pop("position")
         name = first.pop("_name")
         try:
-            op = _op_location(data, case, first["rank"], "" if name == OUTPUT else name,
-                              partial=bool(first.get("consumed_by")), rtol=rtol, atol=atol)
+            # A value a parent changed inline before the module, on any rank of its group (a
+            # residual added twice on the last TP rank reaches every rank through the norm's
+            # all-reduced statistics): that rank's extra op is where the values left.
+            extra = None if name == OUTPUT or first.get("consumed_by") else next(
+                (found for peer in _group_of(by_rank, first["rank"])
+                 if (found := _extra_inline_departure(data, case, peer, name, rtol, atol)) is not None), None)
+            op = extra if extra is not None else _op_location(data, case, first["rank"], "" if name == OUTPUT else name,
+                                                              partial=bool(first.get("consumed_by")), rtol=rtol, atol=atol)
         except Exception as exc:  # noqa: BLE001 - the module is evidence enough without its op
             op = {"op_note": f"the op inside {first['module']!r} was not located: {type(exc).__name__}: {exc}"}
+        if op.get("unpaired") and "rank" in op:
+            first["rank"] = op.pop("rank")
         if "max_abs" in op:
             first["module_max_abs"] = first["max_abs"]
         if op.get("inline_before"):  # the parent's own code departed first: the location is the parent
@@ -160,6 +168,49 @@ def forward_location(data: ProbeData, case: Case, matched: list[str] | None = No
             first["module"], first["module_type"] = op["op_module"], held.module_type if held is not None else None
         first.update(op)
     return first
+
+
+def _group_of(by_rank: dict[int, dict[str, Any]], rank: int) -> list[int]:
+    """``rank`` and its tensor-parallel peers that were probed, ``rank`` first."""
+    _, group = tp_of(by_rank[rank])
+    return [rank, *sorted(r for r in group if r != rank and r in by_rank)]
+
+
+def _extra_inline_departure(data: ProbeData, case: Case, rank: int, module: str, rtol: float,
+                            atol: float) -> dict[str, Any] | None:
+    """On ``rank``: an op a parent of ``module`` computed inline before it with no counterpart
+    in the reference (name alignment left it unpaired) whose output is no longer the value the
+    last matching parent op before it left - the reference's value there. Such an op changed a
+    value that was right (a residual added twice); an unpaired op that leaves the value as it
+    was (a copy, a cast back) is no departure. None where there is none."""
+    by_rank = {r["rank"]: r for r in data.ranks}
+    held_ops: list[OpCapture] = by_rank[rank].get("ops") or []
+    first_own = next((i for i, o in enumerate(held_ops) if o.module == module or o.module.startswith(module + ".")), None)
+    if not held_ops or first_own is None:
+        return None
+    ancestors = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
+    whole = aligned(held_ops, reference_ops(data, rank, case))
+    theirs_of = {id(m): t for m, t, _ in whole}
+    ctx = _OpJudge.of(by_rank, rank, rtol, atol)
+    last: tuple[OpCapture, OpCapture] | None = None
+    for op in held_ops[:first_own]:
+        if op.output is None or op.module not in ancestors:
+            continue
+        if id(op) in theirs_of:
+            judged = ctx.judge(op, theirs_of[id(op)])
+            last = (op, theirs_of[id(op)]) if judged is not None and judged.status == "within" else last
+            continue
+        if last is None or op.output.shape != last[0].output.shape:
+            continue
+        judged = ctx.judge(op, last[1])
+        if judged is None or judged.status != "departs":
+            continue
+        after = [o.op for o in held_ops[held_ops.index(op):first_own] if o.output is not None and id(o) not in theirs_of
+                 and o.module in ancestors]
+        return {"op": op.op, "op_module": op.module or "<model output>", "rank": rank, "unpaired": True,
+                "inline_before": module, "last_matched": {"op": last[0].op, "module": last[0].module or "<model output>"},
+                "unpaired_after": after[:8], "max_abs": judged.max_abs, "max_rel": judged.max_rel, "compared": judged.compared}
+    return None
 
 
 @dataclass

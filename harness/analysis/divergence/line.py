@@ -83,6 +83,12 @@ def location_line(loc: dict[str, Any]) -> str:
         at = f"op {loc['op']}{inner} of {at}"
         if loc.get("inline_before"):
             at += f", inline in its forward before its submodule {loc['inline_before']!r}"
+    if loc.get("unpaired") and loc.get("last_matched"):
+        return (f"departs in the forward of step {loc['step']} at {at} on rank {loc['rank']}: an op the reference's forward "
+                f"has no counterpart of, and it changes the value the last matching op before it "
+                f"({loc['last_matched']['op']}) left - max abs {loc['max_abs']:.3g} ({loc['max_rel']:.3g} of its largest "
+                f"value; allowed rtol {tol['rtol']:.3g}, atol {tol['atol']:.3g} of it) against the reference's value there, "
+                f"{loc['compared']}")
     if loc.get("consumed_by"):
         return (f"departs in the forward of step {loc['step']} at {at} on rank {loc['rank']}: "
                 f"its output is a partial sum over the tensor-parallel group {loc['partial_over']} (the reference's only "
