@@ -342,6 +342,9 @@ def test_simulated_ranks_probe_a_later_failing_step_on_a_second_run(reference_ca
     # a validation pass's model.eval() never undone (step 1, the first dropout, by its mode)
     ("tests/custom_loops/stale_master_weights.py", "forward", "fc1", 0, "aten.addmm.default"),
     ("tests/custom_loops/eval_mode_after_validation.py", "forward", "dropout", 0, "aten.bernoulli_.float"),
+    # AdamW built with another eps on rank 1: the gradients agree and match, the replicas' copies
+    # go apart at step 0; the comparison reads rank 0's (right) - the location reads each copy
+    ("tests/custom_loops/optimizer_differs_on_one_rank.py", "optimizer", "fc1.weight", 1, "AdamW.step"),
     # a stale head behind five dropouts at step 1: their masks taken from the ranks
     ("tests/custom_loops/stale_head_behind_dropout.py", "forward", "head", 0, "aten.addmm.default"),
 ])
@@ -397,7 +400,8 @@ def test_bundled_bugs_are_located_where_the_bug_is(rank_runner, reference_cache,
                                     "tests/custom_loops/unseeded_noise_on_one_rank.py:seeded",
                                     "tests/custom_loops/tp_copy_grad_unreduced.py:correct",
                                     "tests/custom_loops/stale_master_weights.py:correct",
-                                    "tests/custom_loops/eval_mode_after_validation.py:correct"])
+                                    "tests/custom_loops/eval_mode_after_validation.py:correct",
+                                    "tests/custom_loops/optimizer_differs_on_one_rank.py:correct"])
 def test_the_right_versions_of_the_held_out_bugs_pass_without_a_location(rank_runner, reference_cache, tmp_path, target: str) -> None:
     report = diagnose_target(target, runner=rank_runner, cache=reference_cache, workdir=tmp_path)
     assert report.verdict.verdict == "pass" and "first_divergent_op" not in json.dumps(report.to_json()), report.verdict.to_dict()

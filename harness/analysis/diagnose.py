@@ -640,17 +640,64 @@ class Analysis:
             params = self._across_replicas(mismatched)
             if params:
                 names = sorted(params)
+                evidence: dict[str, Any] = {"step": s.step, "params": {n: params[n] for n in names},
+                                            "groups_note": "ranks listed together agree"}
+                where = self._replica_update_location(s.step, names)
+                if where is not None:
+                    evidence["first_divergent_op"] = where
                 return [
                     Diagnosis(
                         "replica-divergence",
                         f"{len(names)} parameters differ between replicas after step {s.step}: " + ", ".join(names[:4]),
-                        {"step": s.step, "params": {n: params[n] for n in names}, "groups_note": "ranks listed together agree"},
+                        evidence,
                     )
                 ]
             inside = self._apart_inside_replica(s.step, mismatched)
             if inside is not None:
                 return [inside]
         return []
+
+    def _replica_update_location(self, step: int, names: list[str]) -> dict[str, Any] | None:
+        """Replicas whose copies of a parameter went apart at ``step`` while its gradient agreed
+        across them (no copies of it kept) and matched the reference: the update departs on the
+        ranks whose copy is not the reference's - their optimizer step (phase ``optimizer``, the
+        first such rank). The comparison reads one copy; this reads each."""
+        from harness.analysis.divergence.line import location_line
+
+        extra = self.act.step(step).extra
+        if extra.get("replica_mismatch", {}).get("grad") or any(
+                t.step == step and t.kind == "grad" and not t.passed for t in self.cmp.tensors):
+            return None
+        worst: tuple[float, str, list[int], float, Any] | None = None
+        for name in names:
+            try:
+                expected = self.ref.tensor(step, "param", name).double()
+                tol = self.cmp.get(step, "param", name).tolerance
+            except KeyError:
+                continue
+            for piece in extra.get("replica_copies", {}).get("param", {}).get(name) or []:
+                copy = self.act.aux(step, piece["aux"]).double()
+                if copy.shape != expected.shape:
+                    continue
+                allowed = tol.atol + tol.rtol * expected.abs()
+                excess = float(((copy - expected).abs() - allowed).max()) if copy.numel() else 0.0
+                if excess > 0:
+                    max_abs = float((copy - expected).abs().max())
+                    ranks = sorted(int(r) for r in piece["ranks"])
+                    if worst is None or (max_abs > worst[0]):
+                        worst = (max_abs, name, ranks, float(expected.abs().max()), tol)
+        if worst is None:
+            return None
+        max_abs, name, ranks, scale, tol = worst
+        factory = getattr(self.case, "optimizer_factory", None)
+        optimizer = getattr(getattr(factory, "func", factory), "__name__", type(factory).__name__) if factory else "optimizer"
+        where = {"phase": "optimizer", "module": name, "module_type": None, "op": f"{optimizer}.step", "rank": ranks[0],
+                 "ranks": ranks, "step": step, "max_abs": max_abs, "max_rel": max_abs / scale if scale else 0.0,
+                 "tolerance": {"rtol": tol.rtol, "atol": tol.atol, "of": "each element"},
+                 "compared": f"the gradients of step {step} agree across the replicas and match the reference; the copy "
+                             f"of the parameters ranks {ranks} hold after the update does not (the other replicas' does)"}
+        where["line"] = location_line(where)
+        return where
 
     def _apart_inside_replica(self, step: int, mismatched: dict[str, list[list[int]]]) -> Diagnosis | None:
         """Parameters the layout keeps replicated inside a replica whose copies on the replica's

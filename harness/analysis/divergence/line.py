@@ -10,7 +10,8 @@ __all__ = ["location_line"]
 def location_line(loc: dict[str, Any]) -> str:
     """One sentence for the terminal."""
     if loc["phase"] == "optimizer":
-        return (f"departs in the optimizer step of step {loc['step']} ({loc['op']}): {loc['compared']}; first "
+        on = f" on rank {loc['rank']}" if loc.get("rank") is not None else ""
+        return (f"departs in the optimizer step of step {loc['step']}{on} ({loc['op']}): {loc['compared']}; first "
                 f"{loc['module']!r} (max abs {loc['max_abs']:.3g})")
     if loc["phase"] == "input" and loc["module"] == "<data>":
         again = ""
