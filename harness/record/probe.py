@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reference.record import is_dtensor
 from reference.case import Batch, Case, map_tensors
 
+from harness.frames import call_site
 from harness.record.gather import reference_name
 
 __all__ = ["GRAD_MARKER", "LOSS", "OUTPUT", "ActivationProbe", "BackwardLog", "DecomposedOpLog", "OpCapture", "OpLog", "ProbeData", "ProbedStrategy", "collect_probe", "loss_op_log", "op_log", "probe_entry"]
@@ -132,6 +133,7 @@ class OpCapture:
     output: torch.Tensor | None  # None for a collective: kept as a marker of where it ran, not compared
     placements: str | None = None  # DTensor placements of the output, None for plain tensors
     draws: bool = False  # it drew from the generator (a dropout's mask; attention with dropout_p > 0)
+    site: str = ""  # the innermost frame outside torch and the harness that ran it: "file:line in fn"
 
 
 # Ops that move, alias or allocate values without computing any: they cannot be where values
@@ -181,7 +183,7 @@ class OpLog(TorchDispatchMode):
         if self.paused or self.ended:
             return out
         if getattr(func, "namespace", "aten") in _COLLECTIVE_NAMESPACES:
-            self.ops.append(OpCapture(self._module(), str(func), None))
+            self.ops.append(OpCapture(self._module(), str(func), None, site=call_site()))
         elif not _is_layout_op(func):
             try:
                 self._keep(func, out, args, kwargs)
@@ -206,7 +208,7 @@ class OpLog(TorchDispatchMode):
             t = t.to_local()
         self.budget -= t.numel()
         draws = torch.Tag.nondeterministic_seeded in func.tags and random_output(func, args, kwargs, out) is not False
-        self.ops.append(OpCapture(self._module(), str(func), t.detach().float().cpu().clone(), placements, draws))
+        self.ops.append(OpCapture(self._module(), str(func), t.detach().float().cpu().clone(), placements, draws, call_site()))
 
 
 # The reference's loss is logged with its composite ops decomposed into the ops a hand-written

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.model import DiagnosisReport
+from harness.report.summary import Summary, summarize, tolerance_ratio
 
 __all__ = ["render_html", "report_path", "write_html"]
 
@@ -31,7 +32,16 @@ td,th{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f6f6f6} tr.bad td{background:#fdecea} tr.first td{background:#ffd7d2;font-weight:600}
 td.dup{background:#ffe082} .ids{font-family:monospace;font-size:12px}
 pre{background:#f8f8f8;padding:8px;overflow-x:auto;font-size:12px}
-.muted{color:#777;font-size:12px}
+.muted{color:#666;font-size:12px}
+#summary{border:1px solid #ccc;border-left:6px solid #888;border-radius:4px;padding:10px 14px;margin:12px 0;background:#fafafa}
+#summary.fail{border-left-color:#c62828}#summary.pass{border-left-color:#2e7d32}#summary.hang{border-left-color:#6a1b9a}
+#summary dl{display:grid;grid-template-columns:max-content 1fr;gap:3px 14px;margin:6px 0}
+#summary dt{font-weight:600;color:#444} #summary dd{margin:0}
+dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 12px;margin:6px 0 6px 8px;font-size:13px}
+dl.facts dt{color:#555} dl.facts dd{margin:0}
+details{margin:6px 0} summary{cursor:pointer;color:#333}
+nav.toc{font-size:13px;margin:6px 0} nav.toc a{margin-right:12px}
+.likely{font-weight:600}
 """
 
 
@@ -99,6 +109,35 @@ def _where(loc: Any) -> str:
             f"<table class='numerics'><tr>{head}</tr><tr class='first'>{row}</tr></table>{ops}")
 
 
+def _fold(label: str, content: str) -> str:
+    """``content`` in a closed fold: there for whoever opens it, out of the reader's way."""
+    return f"<details><summary>{_e(label)}</summary>{content}</details>"
+
+
+def _fact(value: Any) -> str:
+    """One evidence value as a person reads it: numbers to 4 digits, short lists inline."""
+    if isinstance(value, float):
+        return _e(f"{value:.4g}")
+    if isinstance(value, (list, tuple)) and len(value) <= 8 and all(not isinstance(x, (dict, list)) for x in value):
+        return _e(", ".join(str(x) for x in value))
+    if isinstance(value, dict) and len(value) <= 6 and all(not isinstance(x, (dict, list)) for x in value.values()):
+        return _e(", ".join(f"{k}: {x}" for k, x in value.items()))
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
+    return _e(text if len(text) <= 200 else text[:197] + "...")
+
+
+def _evidence(evidence: dict[str, Any]) -> str:
+    """A code's evidence for people: the likely source first, then a few labelled facts; the
+    whole of it as JSON in a closed fold, uncut."""
+    likely = evidence.get("likely_source")
+    facts = [(k, v) for k, v in evidence.items() if k not in ("likely_source", "first_divergent_op") and v not in (None, "", [], {})]
+    shown = "".join(f"<dt>{_e(k.replace('_', ' '))}</dt><dd>{_fact(v)}</dd>" for k, v in facts[:8])
+    more = f"<p class='muted'>{len(facts) - 8} more facts in the raw evidence</p>" if len(facts) > 8 else ""
+    return ((f"<p class='likely'>likely source: {_e(likely)}</p>" if likely else "")
+            + (f"<dl class='facts'>{shown}</dl>{more}" if shown else "")
+            + _fold("raw evidence (JSON)", f"<pre>{_e(json.dumps(evidence, indent=2, default=repr))}</pre>"))
+
+
 def _diagnoses(report: DiagnosisReport) -> str:
     v = report.verdict
     if not v.diagnoses:
@@ -107,37 +146,89 @@ def _diagnoses(report: DiagnosisReport) -> str:
         body = "".join(
             f"<h3><span class='code'>{_e(d.code)}</span> {_e(d.summary)}</h3>"
             + _where(d.evidence.get("first_divergent_op"))
-            + f"<pre>{_e(json.dumps(d.evidence, indent=2, default=repr)[:6000])}</pre>"
+            + _evidence(d.evidence)
             for d in v.diagnoses
         )
     if v.error:
-        body += f"<h3>launcher report</h3><pre>{_e(v.error[:20000])}</pre>"
+        first = v.error.strip().splitlines()[0] if v.error.strip() else ""
+        body += f"<p>{_e(first)}</p>" + _fold("launcher report (every rank's account)", f"<pre>{_e(v.error)}</pre>")
     return body
 
 
+MAX_FOLDED_ROWS = 2000  # ok rows listed one by one in their fold; beyond, one line per module
+
+
+def _tensor_row(t: dict[str, Any], cls: str, *, reason: bool = True) -> str:
+    ratio = tolerance_ratio(t)
+    tol = t.get("tolerance") or {}
+    tol_text = f"rtol {tol.get('rtol', 0):.3g}, atol {tol.get('atol', 0):.3g}" if tol else ""
+    scale = t.get("scale")
+    return (f"<tr class='{cls}'><td>{t['step']}</td><td>{_e(t['kind'])}</td><td>{_e(t['name'])}</td>"
+            f"<td>{'ok' if t['passed'] else 'MISMATCH'}</td><td>{_num(t['max_abs'])}</td>"
+            f"<td>{_e(f'{ratio:.3g}x') if ratio is not None else ''}</td>"
+            + (f"<td title='{_e(tol.get('reason', ''))}'>" if reason else "<td>") + f"{_e(tol_text)}</td>"
+            f"<td>{_num(scale) if scale is not None and not t['passed'] else ''}</td>"
+            f"<td>{t.get('mismatched', '')}/{t.get('numel', '')}</td></tr>")
+
+
+_TENSOR_HEAD = ("<tr><th>step</th><th>kind</th><th>name</th><th>verdict</th><th>max abs</th><th>x tolerance</th>"
+                "<th>tolerance (reason on hover)</th><th>scale</th><th>mismatched</th></tr>")
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 2)[0] if name.count(".") >= 2 else name.split(".")[0]
+
+
 def _tensor_table(report: DiagnosisReport) -> str:
+    """Only what differs: the mismatched rows, the first divergence first, then by how far
+    beyond their tolerance; the rows within tolerance folded, one line per kind."""
     cmp = report.comparison
     if not cmp:
+        if report.verdict.diagnoses and not report.verdict.error:
+            return "<p class='muted'>no comparison: the run was refused before it trained (see the diagnosis)</p>"
         return "<p class='muted'>no comparison (the run did not finish)</p>"
     first = cmp.get("first_divergence") or {}
     first_keys = {(first.get("step"), k, n) for k, n in first.get("entries", [])}
-    rows = []
-    for t in cmp.get("tensors", []):
-        key = (t["step"], t["kind"], t["name"])
-        cls = "first" if key in first_keys else ("bad" if not t["passed"] else "")
-        scale = t.get("scale")
-        rows.append(
-            f"<tr class='{cls}'><td>{t['step']}</td><td>{_e(t['kind'])}</td><td>{_e(t['name'])}</td>"
-            f"<td>{'ok' if t['passed'] else 'MISMATCH'}</td><td>{_num(t['max_abs'])}</td><td>{_num(t['max_rel'])}</td>"
-            f"<td>{_num(scale) if scale is not None else ''}</td><td>{t.get('mismatched', '')}/{t.get('numel', '')}</td></tr>"
-        )
-    head = "<tr><th>step</th><th>kind</th><th>name</th><th>verdict</th><th>max abs</th><th>max rel</th><th>scale</th><th>mismatched</th></tr>"
-    note = f"<p>First divergence at step {first['step']} (highlighted).</p>" if first else "<p>No divergence.</p>"
+    rows = cmp.get("tensors", [])
+    excused = bool(cmp.get("reported_loss"))
+    bad = [t for t in rows if not t["passed"] and not (excused and t["kind"] == "loss")]
+    ok = [t for t in rows if t not in bad]
+    bad.sort(key=lambda t: ((t["step"], t["kind"], t["name"]) not in first_keys, t["step"], -(tolerance_ratio(t) or 0.0)))
+    parts = []
+    if bad:
+        parts.append(f"<p>{len(bad)} value{'s' if len(bad) != 1 else ''} beyond tolerance"
+                     + (f"; the first divergence at step {first['step']} first (highlighted)" if first else "") + ".</p>")
+        parts.append("<table>" + _TENSOR_HEAD + "".join(
+            _tensor_row(t, "first" if (t["step"], t["kind"], t["name"]) in first_keys else "bad") for t in bad) + "</table>")
+    elif report.verdict.verdict != "pass" and rows:
+        parts.append("<p>Every value of this comparison is within tolerance: the failure is the diagnosis's above.</p>")
+    if ok:
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for t in ok:
+            by_kind.setdefault(t["kind"], []).append(t)
+        lines = []
+        for kind, items in by_kind.items():
+            ratio, worst = max([((tolerance_ratio(t) or 0.0), t) for t in items], key=lambda p: p[0])
+            lines.append(f"<li>{len(items)} {_e(kind)} within tolerance; the closest, {_e(worst['name'])} at step "
+                         f"{worst['step']}, at {ratio:.0%} of its tolerance</li>")
+        if len(ok) <= MAX_FOLDED_ROWS:
+            listed = "<table>" + _TENSOR_HEAD + "".join(_tensor_row(t, "", reason=False) for t in ok) + "</table>"
+        else:  # one line per module: a long run's rows would make a page nobody scrolls
+            modules: dict[str, list[dict[str, Any]]] = {}
+            for t in ok:
+                modules.setdefault(_module_of(t["name"]), []).append(t)
+            listed = "<ul>" + "".join(
+                f"<li>{_e(m)}: {len(items)} values, worst at {max((tolerance_ratio(t) or 0.0) for t in items):.0%} of tolerance</li>"
+                for m, items in modules.items()) + "</ul>"
+        parts.append(f"<ul>{''.join(lines)}</ul>" + _fold(f"show the {len(ok)} values within tolerance", listed))
     structure = cmp.get("structure") or []
-    extra = ""
     if structure:
-        extra = "<h3>structure</h3><pre>" + _e(json.dumps(structure[:50], indent=1, default=repr)) + "</pre>"
-    return note + f"<table>{head}{''.join(rows)}</table>" + extra
+        srows = "".join(f"<tr><td>{_e(x.get('category'))}</td><td>{_e(x.get('step'))}</td><td>{_e(x.get('kind'))}</td>"
+                        f"<td>{_e(x.get('name'))}</td><td>{_e(x.get('expected'))}</td><td>{_e(x.get('actual'))}</td></tr>"
+                        for x in structure)
+        parts.append(f"<h3>structure ({len(structure)} differences)</h3><table><tr><th>what</th><th>step</th><th>kind</th>"
+                     f"<th>name</th><th>reference</th><th>parallel</th></tr>{srows}</table>")
+    return "".join(parts) or "<p class='muted'>nothing was compared</p>"
 
 
 def _how_compared(report: DiagnosisReport) -> str:
@@ -299,32 +390,68 @@ def _timeline(report: DiagnosisReport) -> str:
     return svg + table
 
 
+def _summary_card(summary: Summary) -> str:
+    """The first screen (``id="summary"``): the verdict and what to do about it."""
+    rows: list[tuple[str, str]] = [("verdict", f"<b>{_e(summary.verdict.upper())}</b>"
+                                    + "".join(f" <span class='code'>{_e(c)}</span>" for c in summary.codes)),
+                                   ("what", _e(summary.headline))]
+    if summary.where:
+        loc = summary.location
+        facts = ", ".join(f"{k} {loc[k]}" for k in ("step", "rank", "phase", "module", "op") if k in loc)
+        rows.append(("where it departs", f"{_e(facts)}" + (f"<br><span class='code'>{_e(loc['site'])}</span>" if loc.get("site") else "")))
+    if summary.beyond:
+        b = summary.beyond
+        ratio = b.get("x_tolerance")
+        rows.append(("how far", _e(f"{b['kind']} {b['name']} at step {b['step']}: max abs {b['max_abs']:.3g}"
+                                   + (f", {ratio:.3g}x its tolerance" if isinstance(ratio, float) else ""))))
+    if summary.headroom:
+        h = summary.headroom
+        rows.append(("headroom", _e(f"the closest value, {h['kind']} {h['name']} at step {h['step']}, is at "
+                                    f"{h['share']:.0%} of its tolerance")))
+    if summary.compared:
+        rows.append(("compared", _e(", ".join(f"{n} {k}" for k, n in summary.compared.items()))))
+    if summary.fine:
+        rows.append(("known fine", "<br>".join(_e(f) for f in summary.fine)))
+    if summary.next_command:
+        rows.append(("next", f"<span class='code'>{_e(summary.next_command)}</span>"))
+    env = ", ".join(f"{k} {v}" for k, v in summary.environment.items())
+    rows.append(("run again", f"<span class='code'>{_e(summary.repro)}</span>" + (f" <span class='muted'>({_e(env)})</span>" if env else "")))
+    body = "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in rows)
+    return f"<section id='summary' class='{_e(summary.verdict)}'><dl>{body}</dl></section>"
+
+
+def _section_id(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def render_html(report: DiagnosisReport) -> str:
     v = report.verdict
     t = report.target
     title = f"{v.verdict.upper()} {' '.join(v.codes)} - {t['name']}"
     sections = [
         ("Diagnosis", _diagnoses(report)),
-        ("Loss per step", _loss_plot(report)),
+        ("Loss per step", _loss_plot(report) if report.losses.get("reference") or report.losses.get("parallel") else ""),
         ("Tensors: reference vs parallel", _tensor_table(report)),
-        ("What was compared, and how", _how_compared(report)),
-        ("Sample ids per rank and step", _sample_grid(report)),
-        ("Mesh", _mesh_table(report)),
-        ("Collective timeline", _timeline(report)),
+        ("What was compared, and how", _how_compared(report) if report.comparison else ""),
+        ("Sample ids per rank and step", _sample_grid(report) if report.samples.get("ranks") else ""),
+        ("Mesh", _mesh_table(report) if report.mesh else ""),
+        ("Collective timeline", _timeline(report) if (report.collectives or {}).get("events") else ""),
     ]
     if report.repeat:
         sections.insert(1, ("Repeated runs, bitwise", _repeat(report)))
     if report.resume:
         sections.insert(1, ("Resumed from a checkpoint", _resume(report)))
-    body = "".join(f"<h2>{_e(name)}</h2>{content}" for name, content in sections)
+    shown = [(name, content) for name, content in sections if content]  # an empty section says nothing
+    toc = "<nav class='toc'>" + "".join(f"<a href='#{_section_id(n)}'>{_e(n)}</a>" for n, _ in shown) + "</nav>"
+    body = "".join(f"<h2 id='{_section_id(name)}'>{_e(name)}</h2>{content}" for name, content in shown)
     meta = (
         f"{_e(t['strategy'])} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case <span class='code'>{_e(t['case'])}</span>, {t['steps']} steps"
         + (f"; expected code <span class='code'>{_e(t['expected_code'])}</span>" if t.get("expected_code") else "")
     )
     return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>"
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1><span class='verdict {v.verdict}'>{v.verdict.upper()}</span> {_e(t['name'])}</h1><p>{meta}</p>"
-        f"<p>{' '.join(f'<span class=code>{_e(c)}</span>' for c in v.codes)}</p>{body}"
+        f"{_summary_card(summarize(report))}{toc}{body}"
         f"<p class='muted'>harness diagnosis report, schema in harness/report/model.py</p></body></html>"
     )
 

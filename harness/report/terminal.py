@@ -21,10 +21,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= _MAX_VALUE else text[: _MAX_VALUE - 3] + "..."
 
 
-def format_evidence(evidence: dict[str, Any], indent: str = "      ") -> list[str]:
-    """One line per item; where the run departs (harness.analysis.divergence) as its sentence, whole."""
-    return [f"{indent}where: {value['line']}" if key == "first_divergent_op" and isinstance(value, dict) and "line" in value
-            else f"{indent}{key}: {_short(value)}" for key, value in evidence.items()]
+def format_evidence(evidence: dict[str, Any], indent: str = "      ", *, verbose: bool = True) -> list[str]:
+    """One line per item; where the run departs (harness.analysis.divergence) as its sentence,
+    whole. Without ``verbose``, a long list or mapping (a raw dump: the per-tensor rows, the
+    first divergence's entries) is one line saying how much there is."""
+    lines = []
+    for key, value in evidence.items():
+        if key == "first_divergent_op" and isinstance(value, dict) and "line" in value:
+            lines.append(f"{indent}where: {value['line']}")
+        elif not verbose and isinstance(value, (dict, list)) and len(json.dumps(value, default=repr)) > _MAX_VALUE:
+            lines.append(f"{indent}{key}: {len(value)} entries (-v, or the JSON report)")
+        else:
+            lines.append(f"{indent}{key}: {_short(value)}")
+    return lines
 
 
 def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
@@ -36,18 +45,22 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         f"{head}{'  ' + codes if codes else ''}  "
         f"[{t['name']}: {t['strategy']} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case {t['case']!r}, {t['steps']} steps]"
     ]
+    where = next((d.evidence["first_divergent_op"]["line"] for d in v.diagnoses
+                  if isinstance(d.evidence.get("first_divergent_op"), dict) and "line" in d.evidence["first_divergent_op"]), "")
+    if where:  # what a person acts on, before any evidence
+        lines.append(f"  where: {where}")
     if t.get("description"):
         lines.append(f"  {t['description']}")
     for d in v.diagnoses:
         lines.append(f"  {d.code}: {d.summary}")
-        lines += format_evidence(d.evidence)
+        lines += [line for line in format_evidence(d.evidence, verbose=verbose) if line.strip() != f"where: {where}" or not where]
     expected = t.get("expected_code")
     if expected:
         ok = expected in v.codes
         lines.append(f"  expected code {expected}: {'named' if ok else 'NOT named'}")
     if v.verdict == "fail" and report.comparison_summary and (verbose or not v.diagnoses):
         lines += ["  comparison:"] + ["    " + line for line in report.comparison_summary.splitlines()]
-    elif report.comparison and report.comparison.get("first_divergence"):
+    elif report.comparison and report.comparison.get("first_divergence") and not where:
         div = report.comparison["first_divergence"]
         shown = ", ".join(f"{k} {n}" for k, n in div["entries"][:4])
         lines.append(f"  first divergence at step {div['step']}: {shown}")

@@ -207,7 +207,7 @@ def _extra_inline_departure(data: ProbeData, case: Case, rank: int, module: str,
             continue
         after = [o.op for o in held_ops[held_ops.index(op):first_own] if o.output is not None and id(o) not in theirs_of
                  and o.module in ancestors]
-        return {"op": op.op, "op_module": op.module or "<model output>", "rank": rank, "unpaired": True,
+        return {"op": op.op, "op_module": op.module or "<model output>", "rank": rank, "unpaired": True, "site": op.site,
                 "inline_before": module, "last_matched": {"op": last[0].op, "module": last[0].module or "<model output>"},
                 "unpaired_after": after[:8], "max_abs": judged.max_abs, "max_rel": judged.max_rel, "compared": judged.compared}
     return None
@@ -268,7 +268,7 @@ def _scan(ctx: _OpJudge, pairs: list[tuple[OpCapture, OpCapture, str]], held: li
             continue
         index = next(i for i, o in enumerate(o for o in held if o.output is not None) if o is mine)
         where = {"op": mine.op, "op_module": mine.module or "<model output>", "op_placements": mine.placements,
-                 "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:]}
+                 "op_index": index, "ops_compared": len(rows), "op_rows": rows[-12:], "site": mine.site}
         since = held[held.index(last_within) + 1:held.index(mine)] if last_within is not None else held[:held.index(mine)]
         if last_within is not None:
             where["last_matched"] = {"op": last_within.op, "module": last_within.module or "<model output>"}
@@ -411,7 +411,7 @@ def _loss_op_location(data: ProbeData, case: Case, rank: int, rtol: float, atol:
     paired = {id(p[0]) for p in pairs}
     extra = [o for o in after if id(o) not in paired]
     if last_within is not None and extra:
-        return {"op": extra[0].op, "op_module": LOSS, "unpaired": True,
+        return {"op": extra[0].op, "op_module": LOSS, "unpaired": True, "site": extra[0].site,
                 "last_matched": {"op": last_within.op, "module": LOSS}, "unpaired_after": [o.op for o in extra[:8]],
                 "op_note": f"every op of the loss compared matches the reference's ({len(pairs)} compared, {scope}); after "
                            f"{last_within.op} the rank computes what the reference's loss has not: "

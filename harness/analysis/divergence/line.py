@@ -8,7 +8,16 @@ __all__ = ["location_line"]
 
 
 def location_line(loc: dict[str, Any]) -> str:
-    """One sentence for the terminal."""
+    """One sentence for the terminal, ending on the user's line that ran the op where known."""
+    line = _sentence(loc)
+    if loc.get("site"):
+        from harness.tracing.random_ops import hooks_short
+
+        line += f" - at {hooks_short(loc['site'])}"
+    return line
+
+
+def _sentence(loc: dict[str, Any]) -> str:
     if loc["phase"] == "optimizer":
         on = f" on rank {loc['rank']}" if loc.get("rank") is not None else ""
         return (f"departs in the optimizer step of step {loc['step']}{on} ({loc['op']}): {loc['compared']}; first "

@@ -1,0 +1,154 @@
+"""The report's first screen as data: what a person reads before anything else.
+
+One :class:`Summary` per report, built once from the :class:`~harness.report.model.DiagnosisReport`
+(:func:`summarize`) and drawn by each renderer: the HTML's summary card, the terminal's first
+lines. It says the verdict; where the run departs (step, rank, phase, module, op and the user's
+file:line); how far beyond its tolerance the first failing value is; what is known fine (samples,
+collectives, the steps before the departure); the next command to run; for a PASS the headroom
+(the worst value at N% of its tolerance) and what was compared; and how to run it again.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.report.model import DiagnosisReport
+
+__all__ = ["Summary", "summarize", "tolerance_ratio"]
+
+
+@dataclass
+class Summary:
+    verdict: str
+    codes: list[str]
+    headline: str  # the first diagnosis's sentence, or what a pass or an error means
+    where: str = ""  # the location's sentence (harness.analysis.divergence), "" without one
+    location: dict[str, Any] = field(default_factory=dict)  # step, rank, phase, module, op, site
+    beyond: dict[str, Any] = field(default_factory=dict)  # the first failing value: kind, name, step, x tolerance
+    headroom: dict[str, Any] = field(default_factory=dict)  # a pass: the worst value at its share of its tolerance
+    compared: dict[str, int] = field(default_factory=dict)  # values compared, by kind
+    fine: list[str] = field(default_factory=list)  # what is known right
+    next_command: str = ""
+    repro: str = ""
+    environment: dict[str, Any] = field(default_factory=dict)
+
+
+def tolerance_ratio(row: dict[str, Any]) -> float | None:
+    """A compared value's largest error over what its tolerance allowed at that element
+    (``atol + rtol * |expected|``): below 1 within, above 1 beyond by that factor."""
+    tol = row.get("tolerance") or {}
+    expected = row.get("expected_at_worst")
+    scale = abs(float(expected)) if isinstance(expected, (int, float)) else float(row.get("ref_max") or 0.0)
+    allowed = float(tol.get("atol", 0.0)) + float(tol.get("rtol", 0.0)) * scale
+    max_abs = row.get("max_abs")
+    if not isinstance(max_abs, (int, float)):
+        return None
+    if allowed <= 0:
+        return 0.0 if max_abs == 0 else float("inf")
+    return float(max_abs) / allowed
+
+
+def summarize(report: DiagnosisReport) -> Summary:
+    v = report.verdict
+    cmp = report.comparison or {}
+    rows = cmp.get("tensors") or []
+    out = Summary(verdict=v.verdict, codes=list(v.codes), headline=_headline(report))
+    location = next((d.evidence.get("first_divergent_op") for d in v.diagnoses
+                     if isinstance(d.evidence.get("first_divergent_op"), dict)), None)
+    if location:
+        out.where = str(location.get("line", ""))
+        out.location = {k: location.get(k) for k in ("step", "rank", "phase", "module", "op", "site") if location.get(k) is not None}
+    for row in rows:
+        out.compared[row["kind"]] = out.compared.get(row["kind"], 0) + 1
+    failing = [r for r in rows if not r.get("passed")]
+    first = cmp.get("first_divergence") or {}
+    if failing:
+        firsts = {(first.get("step"), k, n) for k, n in first.get("entries", [])}
+        lead = next((r for r in failing if (r["step"], r["kind"], r["name"]) in firsts), failing[0])
+        out.beyond = {"kind": lead["kind"], "name": lead["name"], "step": lead["step"], "max_abs": lead["max_abs"],
+                      "x_tolerance": tolerance_ratio(lead)}
+    elif rows:
+        ratios = [(tolerance_ratio(r) or 0.0, r) for r in rows]
+        share, worst = max(ratios, key=lambda p: p[0])
+        out.headroom = {"kind": worst["kind"], "name": worst["name"], "step": worst["step"], "share": share}
+    out.fine = _known_fine(report, failing)
+    out.next_command = _next_command(report)
+    out.repro = _repro(report)
+    out.environment = _environment(report)
+    return out
+
+
+def _headline(report: DiagnosisReport) -> str:
+    v = report.verdict
+    if v.diagnoses:
+        return v.diagnoses[0].summary
+    if v.verdict == "pass":
+        return "the parallel run computes what one device computes, within tolerance, at every step compared"
+    if v.error:
+        return v.error.strip().splitlines()[0]
+    return "no comparison was produced"
+
+
+def _known_fine(report: DiagnosisReport, failing: list[dict[str, Any]]) -> list[str]:
+    """What the evidence says is right: each sentence only where its own check ran."""
+    cmp = report.comparison or {}
+    fine: list[str] = []
+    if cmp and not cmp.get("samples") and report.samples.get("ranks"):
+        fine.append("sample ids: each step's match the reference's")
+    collectives = report.collectives or {}
+    if collectives.get("events") and not any(d.code.startswith("collective-") for d in report.diagnoses) \
+            and report.verdict.verdict in ("pass", "fail"):
+        fine.append("collectives: every rank issued its groups' collectives in step (no mismatch, none missing)")
+    if cmp and not cmp.get("structure") and cmp.get("tensors"):
+        fine.append("state structure: the same parameter and optimizer-state names and shapes as the reference")
+    steps = sorted({r["step"] for r in failing})
+    if steps and steps[0] > 0:
+        fine.append(f"steps 0..{steps[0] - 1}: every value within tolerance")
+    loss_rows = [r for r in cmp.get("tensors") or [] if r["kind"] == "loss"]
+    if failing and loss_rows and all(r.get("passed") for r in loss_rows):
+        fine.append("the loss: within tolerance at every step")
+    return fine
+
+
+def _next_command(report: DiagnosisReport) -> str:
+    t = report.target
+    name = t.get("source") or t.get("name", "TARGET")
+    v = report.verdict
+    if v.verdict == "pass":
+        return f"python -m harness profile {name}  (where the time goes in this correct run)"
+    if v.verdict == "hang":
+        return f"python -m harness diagnose {name} -v  (each rank's whole stack)"
+    if v.verdict == "error":
+        return f"python -m harness diagnose {name} -v  (the whole launcher report)"
+    step = next((d.evidence.get("first_divergent_op", {}).get("step") for d in v.diagnoses
+                 if isinstance(d.evidence.get("first_divergent_op"), dict)), None)
+    if step is not None:
+        return f"python -m harness diagnose {name} --steps {int(step) + 1} -v  (only up to the first departing step)"
+    return f"python -m harness diagnose {name} -v  (every comparison, and every note)"
+
+
+def _repro(report: DiagnosisReport) -> str:
+    t = report.target
+    name = t.get("source") or t.get("name", "TARGET")
+    simulated = t.get("simulated")
+    ranks = f"--simulate {t.get('nproc')}" if simulated else f"--nproc {t.get('nproc')}"
+    return f"python -m harness diagnose {name} {ranks} --steps {t.get('steps')}"
+
+
+def _environment(report: DiagnosisReport) -> dict[str, Any]:
+    env: dict[str, Any] = {"python": platform.python_version()}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:  # a report read without torch: the version is not known here
+        pass
+    backend = next((m.get("backend") for m in report.mesh if m.get("backend")), None)
+    if backend:
+        env["backend"] = backend
+    elapsed = (report.timing or {}).get("elapsed_s")
+    if isinstance(elapsed, (int, float)):
+        env["elapsed_s"] = round(float(elapsed), 1)
+    return env
