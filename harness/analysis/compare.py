@@ -26,6 +26,7 @@ from reference.trainer import NonFiniteReferenceError
 
 from harness.codes import jsonable
 from harness.analysis.tolerance import DefaultTolerances, Tolerance, TolerancePolicy, adaptive_sign_noise, reference_dtype
+from harness.report.model import entry_name
 
 __all__ = [
     "COMPARE_KINDS",
@@ -148,7 +149,7 @@ class Divergence:
     entries: list[tuple[str, str]]  # (kind, name); kind "samples" / "structure" included
 
     def line(self) -> str:
-        shown = ", ".join(f"{k} {n}" for k, n in self.entries[:6])
+        shown = ", ".join(entry_name(k, n) for k, n in self.entries[:6])
         more = f" (+{len(self.entries) - 6} more)" if len(self.entries) > 6 else ""
         return f"first divergence at step {self.step}: {shown}{more}"
 

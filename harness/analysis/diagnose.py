@@ -41,6 +41,7 @@ from harness.tracing.checks import run_checks
 from harness.tracing.run_trace import load_trace
 from harness.tracing.samples import check_samples
 from harness.codes import Diagnosis
+from harness.report.model import entry_name
 from harness.analysis.compare import CompareResult, TensorComparison
 
 __all__ = ["Analysis", "diagnose", "diagnose_result", "stage_coverage_diagnosis"]
@@ -873,7 +874,7 @@ class Analysis:
         failures = self.cmp.failures()
         div = self.cmp.first_divergence
         worst: list[TensorComparison] = sorted(failures, key=lambda t: (t.step, -t.max_rel))[:10]
-        summary = (f"{len(failures)} tensors exceed tolerance, first at step {div.step}: " + ", ".join(f"{k} {n}" for k, n in div.entries[:3])) \
+        summary = (f"{len(failures)} tensors exceed tolerance, first at step {div.step}: " + ", ".join(entry_name(k, n) for k, n in div.entries[:3])) \
             if div else "values differ from the reference"
         # Elements compare accepted as AdamW sign noise before the divergence moved the forward
         # a little: what diverges later may only be their consequence.

@@ -130,9 +130,11 @@ def _evidence(evidence: dict[str, Any]) -> str:
     """A code's evidence for people: the likely source first, then a few labelled facts; the
     whole of it as JSON in a closed fold, uncut."""
     likely = evidence.get("likely_source")
-    facts = [(k, v) for k, v in evidence.items() if k not in ("likely_source", "first_divergent_op") and v not in (None, "", [], {})]
+    facts = [(k, v) for k, v in evidence.items() if k not in ("likely_source", "first_divergent_op") and v not in (None, "", [], {})
+             and not (isinstance(v, (dict, list)) and len(json.dumps(v, default=repr)) > 200)]  # a raw dump: in the fold
     shown = "".join(f"<dt>{_e(k.replace('_', ' '))}</dt><dd>{_fact(v)}</dd>" for k, v in facts[:8])
-    more = f"<p class='muted'>{len(facts) - 8} more facts in the raw evidence</p>" if len(facts) > 8 else ""
+    hidden = len(evidence) - len(facts[:8]) - ("likely_source" in evidence) - ("first_divergent_op" in evidence)
+    more = f"<p class='muted'>{hidden} more entries in the raw evidence below</p>" if hidden > 0 else ""
     return ((f"<p class='likely'>likely source: {_e(likely)}</p>" if likely else "")
             + (f"<dl class='facts'>{shown}</dl>{more}" if shown else "")
             + _fold("raw evidence (JSON)", f"<pre>{_e(json.dumps(evidence, indent=2, default=repr))}</pre>"))
@@ -193,7 +195,10 @@ def _tensor_table(report: DiagnosisReport) -> str:
     excused = bool(cmp.get("reported_loss"))
     bad = [t for t in rows if not t["passed"] and not (excused and t["kind"] == "loss")]
     ok = [t for t in rows if t not in bad]
-    bad.sort(key=lambda t: ((t["step"], t["kind"], t["name"]) not in first_keys, t["step"], -(tolerance_ratio(t) or 0.0)))
+    order = {(first.get("step"), k, n): i for i, (k, n) in enumerate(first.get("entries", []))}
+    # The first divergence's values first, in its own order (samples, loss, gradients, ...),
+    # then the rest step by step, the furthest beyond its tolerance first.
+    bad.sort(key=lambda t: (order.get((t["step"], t["kind"], t["name"]), len(order)), t["step"], -(tolerance_ratio(t) or 0.0)))
     parts = []
     if bad:
         parts.append(f"<p>{len(bad)} value{'s' if len(bad) != 1 else ''} beyond tolerance"
@@ -402,11 +407,11 @@ def _summary_card(summary: Summary) -> str:
     if summary.beyond:
         b = summary.beyond
         ratio = b.get("x_tolerance")
-        rows.append(("how far", _e(f"{b['kind']} {b['name']} at step {b['step']}: max abs {b['max_abs']:.3g}"
+        rows.append(("how far", _e(f"{b['value']} at step {b['step']}: max abs {b['max_abs']:.3g}"
                                    + (f", {ratio:.3g}x its tolerance" if isinstance(ratio, float) else ""))))
     if summary.headroom:
         h = summary.headroom
-        rows.append(("headroom", _e(f"the closest value, {h['kind']} {h['name']} at step {h['step']}, is at "
+        rows.append(("headroom", _e(f"the closest value, {h['value']} at step {h['step']}, is at "
                                     f"{h['share']:.0%} of its tolerance")))
     if summary.compared:
         rows.append(("compared", _e(", ".join(f"{n} {k}" for k, n in summary.compared.items()))))

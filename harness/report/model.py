@@ -44,9 +44,16 @@ from typing import Any
 
 from harness.codes import Diagnosis, Verdict, jsonable, verdict_for
 
-__all__ = ["SCHEMA", "DiagnosisReport", "build_report"]
+__all__ = ["SCHEMA", "DiagnosisReport", "build_report", "entry_name"]
 
 SCHEMA = "harness-diagnosis/1"
+
+
+def entry_name(kind: str, name: str) -> str:
+    """A compared value as a sentence names it: "the loss", "micro-batch 1's loss", "grad fc1.weight"."""
+    if kind == "loss":
+        return "the loss" if name == "loss" else f"micro-batch {name.removeprefix('micro.')}'s loss"
+    return f"{kind} {name}"
 
 
 @dataclass

@@ -14,7 +14,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.report.model import DiagnosisReport
+from harness.report.model import DiagnosisReport, entry_name
 
 __all__ = ["Summary", "summarize", "tolerance_ratio"]
 
@@ -67,12 +67,14 @@ def summarize(report: DiagnosisReport) -> Summary:
     if failing:
         firsts = {(first.get("step"), k, n) for k, n in first.get("entries", [])}
         lead = next((r for r in failing if (r["step"], r["kind"], r["name"]) in firsts), failing[0])
-        out.beyond = {"kind": lead["kind"], "name": lead["name"], "step": lead["step"], "max_abs": lead["max_abs"],
+        out.beyond = {"kind": lead["kind"], "name": lead["name"], "value": entry_name(lead["kind"], lead["name"]),
+                      "step": lead["step"], "max_abs": lead["max_abs"],
                       "x_tolerance": tolerance_ratio(lead)}
     elif rows:
         ratios = [(tolerance_ratio(r) or 0.0, r) for r in rows]
         share, worst = max(ratios, key=lambda p: p[0])
-        out.headroom = {"kind": worst["kind"], "name": worst["name"], "step": worst["step"], "share": share}
+        out.headroom = {"kind": worst["kind"], "name": worst["name"], "value": entry_name(worst["kind"], worst["name"]),
+                        "step": worst["step"], "share": share}
     out.fine = _known_fine(report, failing)
     out.next_command = _next_command(report)
     out.repro = _repro(report)
@@ -112,9 +114,26 @@ def _known_fine(report: DiagnosisReport, failing: list[dict[str, Any]]) -> list[
     return fine
 
 
+def _target_spec(report: DiagnosisReport) -> str:
+    """How the command line names the target: its file (relative to here when below it) and
+    entry, or the bundled name."""
+    import os
+
+    t = report.target
+    source = t.get("source") or ""
+    if not source:
+        return str(t.get("name", "TARGET"))
+    path, _, entry = source.partition(":") if not os.path.exists(source) else (source, "", "")
+    try:
+        shown = os.path.relpath(path) if os.path.abspath(path).startswith(os.getcwd() + os.sep) else path
+    except ValueError:  # another drive
+        shown = path
+    return f"{shown}:{entry}" if entry else shown
+
+
 def _next_command(report: DiagnosisReport) -> str:
     t = report.target
-    name = t.get("source") or t.get("name", "TARGET")
+    name = _target_spec(report)
     v = report.verdict
     if v.verdict == "pass":
         return f"python -m harness profile {name}  (where the time goes in this correct run)"
@@ -131,7 +150,7 @@ def _next_command(report: DiagnosisReport) -> str:
 
 def _repro(report: DiagnosisReport) -> str:
     t = report.target
-    name = t.get("source") or t.get("name", "TARGET")
+    name = _target_spec(report)
     simulated = t.get("simulated")
     ranks = f"--simulate {t.get('nproc')}" if simulated else f"--nproc {t.get('nproc')}"
     return f"python -m harness diagnose {name} {ranks} --steps {t.get('steps')}"
@@ -150,5 +169,5 @@ def _environment(report: DiagnosisReport) -> dict[str, Any]:
         env["backend"] = backend
     elapsed = (report.timing or {}).get("elapsed_s")
     if isinstance(elapsed, (int, float)):
-        env["elapsed_s"] = round(float(elapsed), 1)
+        env["elapsed"] = f"{float(elapsed):.1f} s"
     return env

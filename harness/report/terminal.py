@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harness.report.model import DiagnosisReport
+from harness.report.model import DiagnosisReport, entry_name
 
 __all__ = ["format_evidence", "format_terminal"]
 
@@ -62,7 +62,7 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         lines += ["  comparison:"] + ["    " + line for line in report.comparison_summary.splitlines()]
     elif report.comparison and report.comparison.get("first_divergence") and not where:
         div = report.comparison["first_divergence"]
-        shown = ", ".join(f"{k} {n}" for k, n in div["entries"][:4])
+        shown = ", ".join(entry_name(k, n) for k, n in div["entries"][:4])
         lines.append(f"  first divergence at step {div['step']}: {shown}")
     notes = (report.comparison or {}).get("notes") or []
     shown = notes if verbose else notes[:MAX_NOTES]

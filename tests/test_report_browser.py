@@ -1,0 +1,84 @@
+"""The HTML report as a person sees it, in a real browser (Debian's Chromium driven by
+Playwright; ``.ci/run`` installs both, nothing is downloaded at run time): the summary card ends
+on the first screen and says where a failed run departs, down to the user's file:line; evidence is
+labelled facts with the raw JSON folded; a passing report fits in three screens."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.pipeline import diagnose_target
+from harness.report.html import write_html
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREEN = {"width": 1400, "height": 900}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run does)")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _open(browser, report, tmp_path: Path, name: str):
+    path = write_html(report, tmp_path / f"{name}.html")
+    page = browser.new_page(viewport=SCREEN)
+    page.goto(path.resolve().as_uri())
+    return page
+
+
+def _page_facts(page) -> dict:
+    return page.evaluate("""() => {
+        const card = document.getElementById('summary');
+        const r = card.getBoundingClientRect();
+        return {
+            cardBottom: r.bottom + window.scrollY,
+            cardText: card.innerText,
+            height: document.documentElement.scrollHeight,
+            preOutsideFold: Array.from(document.querySelectorAll('pre')).filter(p => !p.closest('details')).length,
+            openFolds: Array.from(document.querySelectorAll('details')).filter(d => d.open).length,
+            sections: Array.from(document.querySelectorAll('h2[id]')).map(h => h.id),
+            tocLinks: Array.from(document.querySelectorAll('nav.toc a')).map(a => a.getAttribute('href')),
+        };
+    }""")
+
+
+def test_a_failing_report_says_where_it_departs_on_the_first_screen(browser, rank_runner, reference_cache, tmp_path) -> None:
+    report = diagnose_target("autocast_forward", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    page = _open(browser, report, tmp_path, "autocast_forward")
+    facts = _page_facts(page)
+    assert facts["cardBottom"] <= SCREEN["height"], facts
+    card = facts["cardText"]
+    assert "where it departs" in card and "aten.addmm.default" in card and "module fc1" in card, card
+    assert "cases/models.py:" in card, card  # the user's line that ran the op
+    assert "x its tolerance" in card and "next" in card and "run again" in card, card
+    assert facts["preOutsideFold"] == 0 and facts["openFolds"] == 0, facts
+    assert [f"#{s}" for s in facts["sections"]] == facts["tocLinks"], facts
+    # The first divergent row leads the tensor table, and no ok row is listed outside its fold.
+    first_row = page.evaluate("() => document.querySelector('#tensors-reference-vs-parallel ~ table tr.first td:nth-child(3)').innerText")
+    assert first_row == "loss", first_row
+    visible_ok = page.evaluate("() => Array.from(document.querySelectorAll('tr')).filter(t => t.offsetParent !== null "
+                               "&& t.children[3] && t.children[3].innerText === 'ok').length")
+    assert visible_ok == 0, visible_ok
+    page.close()
+
+
+def test_a_passing_report_fits_in_three_screens_with_its_headroom(browser, rank_runner, reference_cache, tmp_path) -> None:
+    report = diagnose_target("tp", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "run")
+    assert report.verdict.verdict == "pass"
+    page = _open(browser, report, tmp_path, "tp")
+    facts = _page_facts(page)
+    assert facts["height"] <= 3 * SCREEN["height"], facts["height"]
+    assert facts["cardBottom"] <= SCREEN["height"], facts
+    assert "headroom" in facts["cardText"] and "% of its tolerance" in facts["cardText"], facts["cardText"]
+    assert "compared" in facts["cardText"] and "grad" in facts["cardText"], facts["cardText"]
+    assert facts["preOutsideFold"] == 0, facts
+    page.close()
