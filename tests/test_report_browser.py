@@ -82,3 +82,26 @@ def test_a_passing_report_fits_in_three_screens_with_its_headroom(browser, rank_
     assert "compared" in facts["cardText"] and "grad" in facts["cardText"], facts["cardText"]
     assert facts["preOutsideFold"] == 0, facts
     page.close()
+
+
+def test_the_divergence_mark_is_found_by_group_and_sequence_number() -> None:
+    """The diagnosis counts positions in the flight recorder's list, which holds the harness's
+    own collectives; the report's events leave them out. The mark is the event with the named
+    group and sequence number, in the HTML timeline and the Chrome trace alike."""
+    from harness.codes import Diagnosis, Verdict
+    from harness.report import chrome_trace
+    from harness.report.model import DiagnosisReport
+    from harness.report.summary import divergence_positions
+
+    events = {"0": [{"group": "default_pg", "seq": 351, "op": "all_gather"}, {"group": "default_pg", "seq": 356, "op": "all_reduce"},
+                    {"group": "metrics", "seq": 1, "op": "all_reduce"}],
+              "1": [{"group": "default_pg", "seq": 351, "op": "all_gather"}, {"group": "default_pg", "seq": 356, "op": "all_reduce"}]}
+    found = Diagnosis("collective-missing", "rank 0 waits in metrics #1", {
+        "group": "1", "group_desc": "metrics", "seq": 1, "position": 1, "ranks": [0], "position_per_rank": {"0": 7},
+        "per_rank": {"0": {"op": "all_reduce", "seq": 1, "group": "1", "group_desc": "metrics"}}})
+    report = DiagnosisReport(verdict=Verdict("hang", [found], "stopped"), target={"name": "x", "strategy": "s", "nproc": 2,
+                                                                                   "case": "c", "steps": 1},
+                             collectives={"events": events})
+    assert divergence_positions(report) == {"0": 2}
+    marked = [e for e in chrome_trace(report)["traceEvents"] if "diverg" in str(e.get("name", "")).lower()]
+    assert len(marked) == 1 and marked[0]["pid"] == 0, marked

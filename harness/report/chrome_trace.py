@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.report.html import _divergence_positions
 from harness.report.model import DiagnosisReport
+from harness.report.summary import divergence_positions
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
@@ -19,7 +19,7 @@ _SLOT_US = 10.0  # width of one collective when the trace has no timestamps
 def chrome_trace(report: DiagnosisReport) -> dict[str, Any]:
     events = (report.collectives or {}).get("events") or {}
     out: list[dict[str, Any]] = []
-    marks = _divergence_positions(report)
+    marks = divergence_positions(report)
     threads: dict[tuple[int, str], int] = {}
     for rank_key in sorted(events, key=int):
         rank = int(rank_key)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.model import DiagnosisReport
-from harness.report.summary import Summary, summarize, tolerance_ratio
+from harness.report.summary import Summary, divergence_positions, summarize, tolerance_ratio
 
 __all__ = ["render_html", "report_path", "write_html"]
 
@@ -341,22 +341,6 @@ def _mesh_table(report: DiagnosisReport) -> str:
             f"{rows}</table>")
 
 
-def _divergence_positions(report: DiagnosisReport) -> dict[str, int]:
-    """rank -> index of the first divergent collective, from the collective diagnoses."""
-    marks: dict[str, int] = {}
-    for d in report.diagnoses:
-        if d.code not in ("collective-mismatch", "collective-missing"):
-            continue
-        ev = d.evidence
-        per_rank = ev.get("position_per_rank") or {}
-        for rank, pos in per_rank.items():
-            marks[str(rank)] = int(pos)
-        if not per_rank and "position" in ev:
-            for rank in ev.get("ranks", []):
-                marks[str(rank)] = int(ev["position"])
-    return marks
-
-
 def _timeline(report: DiagnosisReport) -> str:
     events = {r: evs for r, evs in ((report.collectives or {}).get("events") or {}).items() if evs}
     if not events:
@@ -370,7 +354,7 @@ def _timeline(report: DiagnosisReport) -> str:
     ranks = sorted(events, key=int)
     ops = sorted({e.get("op", "?") for evs in events.values() for e in evs})
     color = {op: _OP_COLORS[i % len(_OP_COLORS)] for i, op in enumerate(ops)}
-    marks = _divergence_positions(report)
+    marks = divergence_positions(report)
     longest = max(len(v) for v in events.values())
     fig, ax = plt.subplots(figsize=(min(14, 4 + longest * 0.08), 0.6 + 0.5 * len(ranks)))
     for y, rank in enumerate(ranks):

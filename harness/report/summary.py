@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.report.model import DiagnosisReport, entry_name
 
-__all__ = ["Summary", "summarize", "tolerance_ratio"]
+__all__ = ["Summary", "divergence_positions", "summarize", "tolerance_ratio"]
 
 
 @dataclass
@@ -171,3 +171,26 @@ def _environment(report: DiagnosisReport) -> dict[str, Any]:
     if isinstance(elapsed, (int, float)):
         env["elapsed"] = f"{float(elapsed):.1f} s"
     return env
+
+
+def divergence_positions(report: DiagnosisReport) -> dict[str, int]:
+    """rank -> index, in the report's collective events of that rank, of the first divergent
+    collective a collective code names: found by its group and sequence number (the position
+    the diagnosis counted includes the harness's own collectives, which the events leave out)."""
+    events = (report.collectives or {}).get("events") or {}
+    marks: dict[str, int] = {}
+    for d in report.diagnoses:
+        if d.code not in ("collective-mismatch", "collective-missing"):
+            continue
+        ev = d.evidence
+        per_rank = ev.get("per_rank") or {}
+        wanted = {str(r): (entry.get("group_desc") or entry.get("group"), entry.get("seq"))
+                  for r, entry in per_rank.items() if isinstance(entry, dict)}
+        for rank in ev.get("ranks") or []:
+            wanted.setdefault(str(rank), (ev.get("group_desc") or ev.get("group"), ev.get("seq")))
+        for rank, (group, seq) in wanted.items():
+            index = next((i for i, e in enumerate(events.get(rank) or [])
+                          if e.get("seq") == seq and str(e.get("group")) in (str(group), str(ev.get("group")))), None)
+            if index is not None:
+                marks.setdefault(rank, index)
+    return marks
