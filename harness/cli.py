@@ -266,6 +266,8 @@ def _simulate_one(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, runner: Any) -> int:
     from harness.report import format_terminal
+    from harness.report.html import render_index
+    from harness.report.summary import summarize
     from harness.pipeline import diagnose_target
 
     out = Path(args.out)
@@ -284,6 +286,7 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
     for i, (name, expected) in enumerate(targets, 1):
         echo(f"[{i}/{len(targets)}] {name}")
         plan = load_target(name).layout
+        where = ""
         if plan is not None:
             layout = _run_layout(plan, str(out / f"{name}.json"), echo)
             verdict, codes = ("fail" if layout.diagnoses else "pass"), list(dict.fromkeys(layout.codes))
@@ -297,8 +300,10 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
             print(format_terminal(report, verbose=args.verbose), flush=True)
             _write_reports(report, str(out / f"{name}.json"), str(out / f"{name}.html"), str(out / f"{name}.trace.json"))
             verdict, codes = report.verdict.verdict, report.codes
+            where = summarize(report).where
         ok = (expected in codes) if expected else verdict == "pass"
-        rows.append({"target": name, "expected": expected or "PASS", "verdict": verdict, "codes": codes, "ok": ok})
+        rows.append({"target": name, "expected": expected or "PASS", "verdict": verdict, "codes": codes, "ok": ok,
+                     "where": where})
     width = max(len(r["target"]) for r in rows)
     print(f"\nbundled {'simulated ' if args.simulate is not None else ''}demo: {len(rows)} targets in {time.monotonic() - started:.0f} s; reports in {out}/")
     for r in rows:
@@ -306,6 +311,8 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
     from reference.files import write_atomic
 
     write_atomic(out / "index.json", json.dumps(rows, indent=2))
+    write_atomic(out / "index.html", render_index(rows, out))
+    print(f"open {out / 'index.html'}")
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)}/{len(rows)} named as expected" + (f"; wrong: {', '.join(r['target'] for r in bad)}" if bad else ""))
     return EXIT_PASS if not bad else EXIT_DIAGNOSIS

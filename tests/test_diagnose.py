@@ -158,7 +158,10 @@ def test_the_demo_runs_every_target_and_checks_its_expected_code(rank_runner, re
     assert "2/2 named as expected" in out
     index = json.loads((tmp_path / "reports" / "index.json").read_text())
     assert [(r["target"], r["ok"]) for r in index] == [("summed_grads", True), ("ddp", True)]
-    assert {p.name for p in (tmp_path / "reports").iterdir()} >= {"summed_grads.html", "summed_grads.json", "ddp.trace.json"}
+    assert {p.name for p in (tmp_path / "reports").iterdir()} >= {"summed_grads.html", "summed_grads.json", "ddp.trace.json",
+                                                                 "index.html"}
+    page = (tmp_path / "reports" / "index.html").read_text()
+    assert "href='summed_grads.html'" in page and "href='ddp.html'" in page and "2/2 targets as expected" in page
 
 
 def test_demo_targets_are_the_whole_catalogue_plus_correct_strategies() -> None:

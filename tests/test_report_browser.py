@@ -105,3 +105,23 @@ def test_the_divergence_mark_is_found_by_group_and_sequence_number() -> None:
     assert divergence_positions(report) == {"0": 2}
     marked = [e for e in chrome_trace(report)["traceEvents"] if "diverg" in str(e.get("name", "")).lower()]
     assert len(marked) == 1 and marked[0]["pid"] == 0, marked
+
+
+def test_the_index_page_links_every_target_it_ran(browser, tmp_path) -> None:
+    from harness.report.html import render_index
+
+    rows = [{"target": "summed_grads", "expected": "grad-not-averaged", "verdict": "fail", "codes": ["grad-not-averaged"],
+             "ok": True, "where": ""},
+            {"target": "ddp", "expected": "PASS", "verdict": "pass", "codes": [], "ok": True, "where": ""},
+            {"target": "tp_missing_allreduce", "expected": "tp-partial-sum", "verdict": "pass", "codes": [], "ok": False,
+             "where": ""}]
+    for r in rows:
+        (tmp_path / f"{r['target']}.html").write_text("<html></html>")
+        (tmp_path / f"{r['target']}.json").write_text("{}")
+    (tmp_path / "index.html").write_text(render_index(rows, tmp_path))
+    page = browser.new_page(viewport=SCREEN)
+    page.goto((tmp_path / "index.html").as_uri())
+    hrefs = page.evaluate("() => Array.from(document.querySelectorAll('table a')).map(a => a.getAttribute('href'))")
+    assert {f"{r['target']}.html" for r in rows} <= set(hrefs) and all((tmp_path / h).exists() for h in hrefs), hrefs
+    assert page.title() == "2/3 targets as expected" and "tp_missing_allreduce" in page.inner_text("body > p")
+    page.close()

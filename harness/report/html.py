@@ -17,7 +17,7 @@ from typing import Any
 from harness.report.model import DiagnosisReport
 from harness.report.summary import Summary, divergence_positions, summarize, tolerance_ratio
 
-__all__ = ["render_html", "report_path", "write_html"]
+__all__ = ["render_html", "render_index", "report_path", "write_html"]
 
 _OP_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f", "#bab0ac"]
 
@@ -443,6 +443,33 @@ def render_html(report: DiagnosisReport) -> str:
         f"{_summary_card(summarize(report))}{toc}{body}"
         f"<p class='muted'>harness diagnosis report, schema in harness/report/model.py</p></body></html>"
     )
+
+
+def render_index(rows: list[dict[str, Any]], folder: str | Path) -> str:
+    """The main job's page of every target (``index.html`` beside ``index.json``): its verdict
+    and codes against the expected one, where it departs, and links to the reports it wrote in
+    ``folder`` (each row: ``target``, ``expected``, ``verdict``, ``codes``, ``ok``, ``where``)."""
+    folder = Path(folder)
+    bad = [r for r in rows if not r.get("ok")]
+    body = []
+    for r in rows:
+        name = str(r["target"])
+        links = " ".join(f"<a href='{_e(name + ext)}'>{label}</a>" for ext, label in
+                         ((".html", "report"), (".json", "json"), (".trace.json", "trace")) if (folder / f"{name}{ext}").exists())
+        verdict = str(r.get("verdict", "error"))
+        body.append(f"<tr class='{'' if r.get('ok') else 'bad'}'><td><a href='{_e(name)}.html'>{_e(name)}</a></td>"
+                    f"<td><span class='verdict {_e(verdict)}'>{_e(verdict.upper())}</span></td>"
+                    f"<td>{' '.join(f'<span class=code>{_e(c)}</span>' for c in r.get('codes') or [])}</td>"
+                    f"<td>{_e(r.get('expected', ''))}</td><td>{'yes' if r.get('ok') else '<b>NO</b>'}</td>"
+                    f"<td>{_e(r.get('where', ''))}</td><td>{links}</td></tr>")
+    head = "<tr><th scope='col'>target</th><th scope='col'>verdict</th><th scope='col'>codes</th><th scope='col'>expected</th>" \
+           "<th scope='col'>as expected</th><th scope='col'>where it departs</th><th scope='col'>files</th></tr>"
+    title = f"{len(rows) - len(bad)}/{len(rows)} targets as expected"
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head>"
+            f"<body><h1>{_e(title)}</h1>"
+            + (f"<p>not as expected: {', '.join(_e(r['target']) for r in bad)}</p>" if bad else "")
+            + f"<table><caption class='muted'>every target the run diagnosed; each name opens its report</caption>{head}"
+            f"{''.join(body)}</table></body></html>")
 
 
 def write_html(report: DiagnosisReport, path: str | Path) -> Path:
