@@ -68,6 +68,12 @@ def test_a_failing_report_says_where_it_departs_on_the_first_screen(browser, ran
     visible_ok = page.evaluate("() => Array.from(document.querySelectorAll('tr')).filter(t => t.offsetParent !== null "
                                "&& t.children[3] && t.children[3].innerText === 'ok').length")
     assert visible_ok == 0, visible_ok
+    # The steps x values map: a cell per value and step, the first divergence outlined, an x
+    # (not colour alone) in every cell beyond tolerance.
+    heat = page.evaluate("""() => { const m = document.querySelector('#heatmap svg');
+        return {cells: m.querySelectorAll('rect').length, outlined: m.querySelectorAll('rect[stroke]').length,
+                crosses: Array.from(m.querySelectorAll('text')).filter(t => t.textContent === 'x').length}; }""")
+    assert heat["cells"] >= 5 * 3 and heat["outlined"] >= 1 and heat["crosses"] >= 5, heat
     page.close()
 
 
@@ -81,6 +87,7 @@ def test_a_passing_report_fits_in_three_screens_with_its_headroom(browser, rank_
     assert "headroom" in facts["cardText"] and "% of its tolerance" in facts["cardText"], facts["cardText"]
     assert "compared" in facts["cardText"] and "grad" in facts["cardText"], facts["cardText"]
     assert facts["preOutsideFold"] == 0, facts
+    assert page.locator("#heatmap").count() == 1  # there, folded: a pass has nothing to point at
     page.close()
 
 

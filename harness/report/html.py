@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.model import DiagnosisReport
-from harness.report.summary import Summary, divergence_positions, summarize, tolerance_ratio
+from harness.report.summary import HeatMap, Summary, divergence_positions, heat_map, summarize, tolerance_ratio
 
 __all__ = ["render_html", "render_index", "report_path", "write_html"]
 
@@ -409,6 +409,70 @@ def _summary_card(summary: Summary) -> str:
     return f"<section id='summary' class='{_e(summary.verdict)}'><dl>{body}</dl></section>"
 
 
+def _heat_colour(ratio: float) -> str:
+    """log10(error / allowed): within tolerance from pale green (far within) to amber (at it),
+    beyond from light to dark red (10^4 x beyond and more)."""
+    import math
+
+    v = math.log10(max(ratio, 1e-8))
+
+    def mix(a: tuple[int, int, int], b: tuple[int, int, int], f: float) -> str:
+        f = min(max(f, 0.0), 1.0)
+        return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
+
+    if ratio <= 1.0:
+        return mix((232, 245, 233), (255, 213, 79), (v + 4) / 4)
+    return mix((239, 154, 154), (120, 10, 10), v / 4)
+
+
+def _heatmap_svg(heat: HeatMap) -> str:
+    """One inline SVG: a row per parameter (model order), a column per step and kind, each
+    cell coloured by how far its error is from its tolerance, an x in every cell beyond it, the
+    first divergence outlined; every cell says its numbers on hover."""
+    cell_w, cell_h, label_w, top = 14, 10 if len(heat.rows) <= 60 else 7, 230, 34
+    width, height = label_w + cell_w * len(heat.columns) + 10, top + cell_h * len(heat.rows) + 4
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' "
+             f"aria-labelledby='heatmap-title'><title id='heatmap-title'>error over tolerance per value and step</title>"]
+    steps = list(dict.fromkeys(s for s, _ in heat.columns))
+    per_step = len(heat.columns) // max(len(steps), 1)
+    for i, step in enumerate(steps):
+        x = label_w + i * per_step * cell_w
+        parts.append(f"<text x='{x}' y='12' font-size='10'>step {step}</text>")
+    for j, (_, kind) in enumerate(heat.columns):
+        parts.append(f"<text x='{label_w + j * cell_w + 2}' y='28' font-size='8' fill='#555'>{_e(kind[0])}</text>")
+    for i, row in enumerate(heat.rows):
+        y = top + i * cell_h
+        if cell_h >= 10 or i % 2 == 0:
+            parts.append(f"<text x='{label_w - 4}' y='{y + cell_h - 1}' font-size='{min(cell_h, 9)}' text-anchor='end'>{_e(row)}</text>")
+        for j, (step, kind) in enumerate(heat.columns):
+            ratio = heat.cells.get((i, j))
+            if ratio is None:
+                continue
+            x = label_w + j * cell_w
+            outline = " stroke='#000' stroke-width='2'" if (i, j) in heat.first else ""
+            parts.append(f"<rect x='{x}' y='{y}' width='{cell_w - 1}' height='{cell_h - 1}' fill='{_heat_colour(ratio)}'{outline}>"
+                         f"<title>{_e(kind)} {_e(row)} step {step}: {ratio:.3g}x its tolerance</title></rect>")
+            if ratio > 1.0:
+                parts.append(f"<text x='{x + cell_w / 2 - 0.5}' y='{y + cell_h - 1.5}' font-size='{cell_h}' text-anchor='middle' "
+                             f"fill='#fff'>x</text>")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _heatmap(report: DiagnosisReport) -> str:
+    heat = heat_map(report)
+    if heat is None:
+        return ""
+    beyond = sum(1 for r in heat.cells.values() if r > 1.0)
+    legend = (f"<p class='muted'>{len(heat.rows)} rows x {len(heat.columns)} columns (l loss, g grad, p param, o optim state: "
+              "its worst entry); colour: the error over its tolerance on a log scale, green far within, amber at it, red "
+              f"beyond (an x in each: {beyond} cells); the first divergence outlined.</p>")
+    svg = f"<div id='heatmap'>{_heatmap_svg(heat)}</div>"
+    if report.verdict.verdict == "pass":
+        return _fold("every value against its tolerance, step by step", legend + svg)
+    return legend + svg
+
+
 def _section_id(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -421,6 +485,7 @@ def render_html(report: DiagnosisReport) -> str:
         ("Diagnosis", _diagnoses(report)),
         ("Loss per step", _loss_plot(report) if report.losses.get("reference") or report.losses.get("parallel") else ""),
         ("Tensors: reference vs parallel", _tensor_table(report)),
+        ("Steps by values", _heatmap(report)),
         ("What was compared, and how", _how_compared(report) if report.comparison else ""),
         ("Sample ids per rank and step", _sample_grid(report) if report.samples.get("ranks") else ""),
         ("Mesh", _mesh_table(report) if report.mesh else ""),

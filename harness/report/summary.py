@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.report.model import DiagnosisReport, entry_name
 
-__all__ = ["Summary", "divergence_positions", "summarize", "tolerance_ratio"]
+__all__ = ["HeatMap", "Summary", "divergence_positions", "heat_map", "summarize", "tolerance_ratio"]
 
 
 @dataclass
@@ -194,3 +194,65 @@ def divergence_positions(report: DiagnosisReport) -> dict[str, int]:
             if index is not None:
                 marks.setdefault(rank, index)
     return marks
+
+
+MAX_HEAT_ROWS = 160  # beyond, one row per module (its parameters' worst)
+
+
+@dataclass
+class HeatMap:
+    """Steps x values: ``rows`` in model order (parameters, or modules when there are many),
+    ``columns`` (step, kind) with kind loss / grad / param / optim, ``cells[(row, column)]`` the
+    largest error over what its tolerance allowed (>1 beyond), ``first``: the first
+    divergence's cells."""
+
+    rows: list[str]
+    columns: list[tuple[int, str]]
+    cells: dict[tuple[int, int], float]
+    first: set[tuple[int, int]]
+
+
+def heat_map(report: DiagnosisReport) -> HeatMap | None:
+    cmp = report.comparison or {}
+    tensors = cmp.get("tensors") or []
+    if not tensors:
+        return None
+    params = list(dict.fromkeys(t["name"] for t in tensors if t["kind"] in ("grad", "param")))
+    if not params:
+        return None
+
+    def owner(kind: str, name: str) -> str | None:
+        if kind == "loss":
+            return "loss"
+        if kind != "optim":
+            return name
+        return next((p for p in sorted(params, key=len, reverse=True) if name.startswith(p + ".")), None)
+
+    grouped = len(params) > MAX_HEAT_ROWS
+    def row_of(name: str) -> str:
+        if not grouped or name == "loss":
+            return name
+        parts = name.split(".")
+        return ".".join(parts[:-1]) if len(parts) > 1 else name
+
+    rows = list(dict.fromkeys(["loss"] * any(t["kind"] == "loss" for t in tensors) + [row_of(p) for p in params]))
+    kinds = [k for k in ("loss", "grad", "param", "optim") if any(t["kind"] == k for t in tensors)]
+    steps = sorted({t["step"] for t in tensors})
+    columns = [(s, k) for s in steps for k in kinds]
+    row_index = {r: i for i, r in enumerate(rows)}
+    column_index = {c: i for i, c in enumerate(columns)}
+    first = cmp.get("first_divergence") or {}
+    first_keys = {(first.get("step"), k, n) for k, n in first.get("entries", [])}
+    cells: dict[tuple[int, int], float] = {}
+    marked: set[tuple[int, int]] = set()
+    for t in tensors:
+        name = owner(t["kind"], t["name"])
+        if name is None:
+            continue
+        key = (row_index[row_of(name)], column_index[(t["step"], t["kind"])])
+        ratio = tolerance_ratio(t)
+        if ratio is not None:
+            cells[key] = max(cells.get(key, 0.0), ratio)
+        if (t["step"], t["kind"], t["name"]) in first_keys:
+            marked.add(key)
+    return HeatMap(rows, columns, cells, marked)
