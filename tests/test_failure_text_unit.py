@@ -36,3 +36,28 @@ def test_an_internal_failure_is_ours_only_for_pythons_own_exception_raised_in_th
     assert not is_internal_failure("RecorderError", [user, ours])
     assert not is_internal_failure("AttributeError", [ours, user])
     assert not is_internal_failure("AttributeError", [])
+
+
+def test_where_each_rank_is_comes_from_its_dump_as_data() -> None:
+    """The hang page's table: each rank's state, the collective it waits in, the user's frame;
+    a rank held in the harness's own recording says so instead of torch's frame."""
+    from harness.launch.failure_text import rank_states
+    from harness.launch.pool import RunOutcome
+    from harness.launch.protocol import RankDump
+    from harness.tracing.entries import CollectiveEntry
+
+    def entry(op, group, ranks, seq, state, phase="train", site="loop.py:46 in sync_grads"):
+        return CollectiveEntry(record_id=seq, op=op, process_group=group, group_ranks=ranks, seq_id=seq, p2p_seq_id=0,
+                               input_sizes=[], state=state, call_site=site, phase=phase)
+
+    waiting = RankDump(rank=0, pid=1, state="running t", stack="", waiting_in="all_reduce", user_site="loop.py:46 in sync_grads",
+                       collectives=[entry("barrier", "0:default_pg", [0, 1], 1, "completed"),
+                                    entry("all_reduce", "1:mesh_dp", [0, 1], 1, "scheduled")])
+    held = RankDump(rank=1, pid=2, state="running t", stack="", waiting_in="all_gather", user_site="",
+                    collectives=[entry("all_gather", "0:default_pg", [0, 1], 4, "scheduled", phase="harness", site="/torch/x.py:1 in f")])
+    outcome = RunOutcome(nproc=2, timed_out=True, aborted={0: waiting, 1: held})
+    first, second = rank_states(outcome)
+    assert (first["state"], first["op"], first["seq"], first["group"], first["site"]) == \
+        ("waiting", "all_reduce", 1, "1:mesh_dp", "loop.py:46 in sync_grads"), first
+    assert first["last_completed"] == "barrier #1 on 0:default_pg"
+    assert second["op"] == "all_gather" and "harness's own recording" in second["site"], second

@@ -145,7 +145,7 @@ def failure_report(outcome: Any, folder: str | os.PathLike[str], *, target: Any,
     in ``folder``. ``error`` is the launcher's account of the failure. A hang is diagnosed from
     the ranks' collectives; a failure only when the first one was the backend's (a rank's own
     exception is the cause, shown first, with no code)."""
-    from harness.launch.failure_text import own_exception
+    from harness.launch.failure_text import own_exception, rank_states
     from harness.report.model import build_report
 
     hang = bool(getattr(outcome, "timed_out", False))
@@ -158,9 +158,14 @@ def failure_report(outcome: Any, folder: str | os.PathLike[str], *, target: Any,
         diagnoses = [] if raised else failure_diagnoses(outcome)
     record, trace, recorded = left_behind(str(folder), outcome)
     text = f"{raised}\n\n{error}" if raised else error
-    return build_report(target=target, case=case, nproc=nproc, diagnoses=diagnoses, hang=hang, comparison=comparison,
-                        actual=record, trace=trace, error=text + recorded_lines(recorded), elapsed_s=elapsed_s,
-                        recorded=recorded)
+    report = build_report(target=target, case=case, nproc=nproc, diagnoses=diagnoses, hang=hang, comparison=comparison,
+                          actual=record, trace=trace, error=text + recorded_lines(recorded), elapsed_s=elapsed_s,
+                          recorded=recorded)
+    try:
+        report.ranks = rank_states(outcome)
+    except Exception:  # noqa: BLE001 - the table is a view of the outcome; the report stands without it
+        report.ranks = []
+    return report
 
 
 def manifest_failure_report(run_dir: str | os.PathLike[str], outcome: Any, *, name: str, error: str) -> Any:

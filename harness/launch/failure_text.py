@@ -317,3 +317,44 @@ def format_failure(outcome: RunOutcome) -> str:
             lines.append(f"---- rank {r} last collectives (from its journal), oldest first ----")
             lines.extend(_entries_block(entries))
     return "\n".join(lines)
+
+
+def rank_states(outcome: RunOutcome) -> list[dict]:
+    """Where each rank is, as data, for a report built around it: its state (waiting in a
+    collective, running, finished, failed, died), the op and sequence number it waits in, the
+    group's ranks, the user's frame it waits at, and the last collective it completed."""
+    out: list[dict] = []
+    for rank in range(outcome.nproc):
+        dump = outcome.aborted.get(rank) or outcome.finished.get(rank)
+        row: dict = {"rank": rank, "state": "", "op": "", "seq": None, "group": "", "group_ranks": None, "site": "",
+                     "last_completed": ""}
+        if rank in outcome.deaths:
+            row["state"] = f"died: {outcome.deaths[rank]}"
+        elif rank in outcome.finished:
+            row["state"] = "finished"
+        elif (result := outcome.results.get(rank)) is not None and result.outcome == "failed":
+            row["state"] = f"raised {result.exc_type}"
+        if dump is not None:
+            entries = dump.collectives or []
+            pending = next((e for e in reversed(entries) if e.state != "completed"), None)
+            done = next((e for e in reversed(entries) if e.state == "completed"), None)
+            if dump.waiting_in or pending is not None:
+                row["state"] = row["state"] or "waiting"
+                if pending is not None:
+                    row.update(op=pending.op, seq=pending.seq_id, group=pending.process_group, group_ranks=pending.group_ranks)
+                else:
+                    row["op"] = dump.waiting_in
+            elif not row["state"]:
+                row["state"] = "running" if dump.state.startswith("running") else dump.state
+            if dump.user_site:
+                row["site"] = fr.short_site(dump.user_site)
+            elif pending is not None and pending.phase == "harness":
+                row["site"] = "the harness's own recording (the rank finished its step's code)"
+            elif pending is not None:
+                row["site"] = fr.short_site(pending.call_site)
+            if done is not None:
+                row["last_completed"] = f"{done.op} #{done.seq_id} on {done.process_group}"
+        elif not row["state"]:
+            row["state"] = "did not answer"
+        out.append(row)
+    return out

@@ -473,6 +473,40 @@ def _heatmap(report: DiagnosisReport) -> str:
     return legend + svg
 
 
+def _rank_in(row: dict[str, Any]) -> str:
+    """'all_reduce #3 on mesh_dp': the collective a rank waits in."""
+    seq = f" #{row['seq']}" if row.get("seq") is not None else ""
+    group = f" on {row['group']}" if row.get("group") else ""
+    return f"{row.get('op', '')}{seq}{group}" if row.get("op") else ""
+
+
+def _ranks(report: DiagnosisReport) -> str:
+    """A hung or failed run around where each rank is: one row a rank (state, the op and its
+    sequence number, the group's ranks, the user's frame, the last collective it completed),
+    then the groups each rank was in, side by side."""
+    if not report.ranks:
+        return ""
+    head = ("<tr><th scope='col'>rank</th><th scope='col'>state</th><th scope='col'>in</th><th scope='col'>group ranks</th>"
+            "<th scope='col'>your code</th><th scope='col'>last completed</th></tr>")
+    rows = "".join(
+        f"<tr class='{'bad' if r['state'] != 'finished' else ''}'><td>{r['rank']}</td><td>{_e(r['state'])}</td>"
+        f"<td>{_e(_rank_in(r))}</td>"
+        f"<td>{_e(r['group_ranks'] if r.get('group_ranks') is not None else '')}</td>"
+        f"<td class='code'>{_e(r.get('site', ''))}</td><td>{_e(r.get('last_completed', ''))}</td></tr>" for r in report.ranks)
+    table = f"<table>{head}{rows}</table>"
+    # Group membership rank by rank, from the collectives each rank issued: ranks that disagree
+    # on a group's members stand side by side.
+    events = (report.collectives or {}).get("events") or {}
+    groups = list(dict.fromkeys(str(e.get("group")) for evs in events.values() for e in evs if e.get("group") is not None))
+    if events and groups:
+        member = {(rank, g): e.get("group_ranks") for rank, evs in events.items() for e in evs for g in [str(e.get("group"))]}
+        ghead = "<tr><th scope='col'>rank</th>" + "".join(f"<th scope='col'>{_e(g)}</th>" for g in groups) + "</tr>"
+        grows = "".join(f"<tr><td>{_e(rank)}</td>" + "".join(f"<td>{_e(member.get((rank, g), '') or '')}</td>" for g in groups)
+                        + "</tr>" for rank in sorted(events, key=int))
+        table += f"<h3>groups each rank issued collectives in (their members as the rank saw them)</h3><table>{ghead}{grows}</table>"
+    return table
+
+
 def _section_id(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -491,6 +525,8 @@ def render_html(report: DiagnosisReport) -> str:
         ("Mesh", _mesh_table(report) if report.mesh else ""),
         ("Collective timeline", _timeline(report) if (report.collectives or {}).get("events") else ""),
     ]
+    if report.ranks:
+        sections.insert(0, ("Where each rank is", _ranks(report)))
     if report.repeat:
         sections.insert(1, ("Repeated runs, bitwise", _repeat(report)))
     if report.resume:

@@ -31,7 +31,8 @@ JSON schema ``harness-diagnosis/1`` (stable; fields are only ever added)::
                  "saved_world", "world", "load_exact", "passed", "compared": {what: int},
                  "gate": [{"code", "what", "name", "rank", "detail", "line"}], "not_transferable":
                  [{"state", "saved_world", "world", "why"}], "continuation": {"compared", "last_step",
-                 "first_difference": {"step", "what", ...} | absent}, "lines": [str]} | {"at", "skipped"} | {}  # --resume-at K
+                 "first_difference": {"step", "what", ...} | absent}, "lines": [str]} | {"at", "skipped"} | {},  # --resume-at K
+      "ranks": [{"rank", "state", "op", "seq", "group", "group_ranks", "site", "last_completed"}]  # a hang or failure: where each rank was
     }
 """
 
@@ -75,6 +76,8 @@ class DiagnosisReport:
     # The resume check (--resume-at K): the load gate's differences, what could not be carried
     # to the resumed layout, the continuation (harness.analysis.resume.ResumeCheck.to_dict).
     resume: dict[str, Any] = field(default_factory=dict)
+    # A hung or failed run: where each rank was when it was stopped (harness.launch.failure_text.rank_states).
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def diagnoses(self) -> list[Diagnosis]:
@@ -106,6 +109,7 @@ class DiagnosisReport:
                 "recorded": self.recorded,
                 "repeat": self.repeat,
                 "resume": self.resume,
+                "ranks": self.ranks,
             }
         )
 

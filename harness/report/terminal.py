@@ -78,7 +78,18 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         lines.append(f"  recorded: {r['path']} ({r['steps']} steps, {'complete' if r['complete'] else 'incomplete'})")
     lines += [f"  trace parts: {p}" for p in recorded.get("trace_parts", [])]
     lines += [f"  unfinished record: {p} (steps done before the ranks were stopped)" for p in recorded.get("unfinished", [])]
-    if v.error and (v.verdict in ("error", "hang") or verbose):
+    ranks = getattr(report, "ranks", None) or []
+    if ranks and v.verdict == "hang" and not verbose:
+        # Where each rank is, one line a rank; the whole launcher report (stacks) with -v.
+        lines.append("  ranks:")
+        for r in ranks:
+            seq = f" #{r['seq']}" if r.get("seq") is not None else ""
+            group = f" on {r['group']} {r['group_ranks']}" if r.get("group") else ""
+            at = f" at {r['site']}" if r.get("site") else ""
+            last = f"; last completed {r['last_completed']}" if r.get("last_completed") else ""
+            lines.append(f"    rank {r['rank']}: {r['state']}{' in ' + r['op'] + seq + group if r.get('op') else ''}{at}{last}")
+        lines.append("  launcher report: every rank's stack and collectives with -v (or in the HTML report)")
+    elif v.error and (v.verdict in ("error", "hang") or verbose):
         text = v.error if verbose else "\n".join(v.error.splitlines()[:40])
         lines += ["  launcher report:"] + ["    " + line for line in text.splitlines()]
     return "\n".join(lines)
