@@ -126,7 +126,8 @@ def test_a_bug_that_shows_only_after_the_epoch_wraps_is_named_in_a_long_run(rank
     assert ok.verdict.verdict == "pass", ok.verdict.to_dict()
 
 
-@pytest.mark.parametrize("variant, reading", [("train", "shares"), ("samples_declared", "units")])
+@pytest.mark.parametrize("variant, reading", [("train", "shares"),
+                                              pytest.param("samples_declared", "units", marks=pytest.mark.slow)])
 def test_a_loss_only_difference_passes_and_says_which_reading_gives_the_reference(variant, reading, rank_runner, reference_cache,
                                                                                   tmp_path) -> None:
     """Token-normalised accumulation (Hugging Face's num_items_in_batch) is right; the loop

@@ -22,6 +22,7 @@ rounding noise; that tolerance is the harness's usual one).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -167,26 +168,31 @@ def _whats(diffs: list[GateDifference]) -> str:
     return ", ".join(dict.fromkeys(d.what.replace("_", " ") for d in diffs))
 
 
-def chunk_permutation(saved: torch.Tensor, loaded: torch.Tensor, *, most: int = 16) -> dict[str, Any] | None:
-    """Where ``loaded`` is ``saved`` with its ``torch.chunk`` pieces along one dim in another
-    order (the chunking FSDP2 and TP shard by): ``{"dim", "chunks", "order"}`` (``order[i]``:
-    which saved chunk sits at position i), the fewest chunks first; else None."""
+def _chunkings(saved: torch.Tensor, loaded: torch.Tensor, most: int) -> Iterator[tuple[int, int, tuple, tuple]]:
+    """(dim, count, loaded's chunks, saved's chunks) for every ``torch.chunk`` of both into
+    ``count`` equal pieces along ``dim`` (the chunking FSDP2 and TP shard by), the fewest first."""
     if saved.shape != loaded.shape or saved.dim() == 0:
-        return None
+        return
     for dim in range(saved.dim()):
         size = saved.shape[dim]
         for count in range(2, min(size, most) + 1):
-            if size % count:
-                continue
-            have, want = loaded.chunk(count, dim), saved.chunk(count, dim)
-            order: list[int] = []
-            for piece in have:
-                j = next((j for j, w in enumerate(want) if j not in order and torch.equal(piece, w)), None)
-                if j is None:
-                    break
-                order.append(j)
-            if len(order) == count and order != list(range(count)):
-                return {"dim": dim, "chunks": count, "order": order}
+            if not size % count:
+                yield dim, count, loaded.chunk(count, dim), saved.chunk(count, dim)
+
+
+def chunk_permutation(saved: torch.Tensor, loaded: torch.Tensor, *, most: int = 16) -> dict[str, Any] | None:
+    """Where ``loaded`` is ``saved`` with its ``torch.chunk`` pieces along one dim in another
+    order: ``{"dim", "chunks", "order"}`` (``order[i]``: which saved chunk sits at position i),
+    the fewest chunks first; else None."""
+    for dim, count, have, want in _chunkings(saved, loaded, most):
+        order: list[int] = []
+        for piece in have:
+            j = next((j for j, w in enumerate(want) if j not in order and torch.equal(piece, w)), None)
+            if j is None:
+                break
+            order.append(j)
+        if len(order) == count and order != list(range(count)):
+            return {"dim": dim, "chunks": count, "order": order}
     return None
 
 
@@ -195,23 +201,16 @@ def chunk_duplication(saved: torch.Tensor, loaded: torch.Tensor, *, most: int = 
     replaced by copies of another saved piece (every rank loading rank 0's shard):
     ``{"dim", "chunks", "sources"}`` (``sources[i]``: which saved chunk sits at position i, a
     repeat among them), the fewest chunks first; else None."""
-    if saved.shape != loaded.shape or saved.dim() == 0:
-        return None
-    for dim in range(saved.dim()):
-        size = saved.shape[dim]
-        for count in range(2, min(size, most) + 1):
-            if size % count:
-                continue
-            have, want = loaded.chunk(count, dim), saved.chunk(count, dim)
-            sources: list[int] = []
-            for position, piece in enumerate(have):
-                j = position if torch.equal(piece, want[position]) else next(
-                    (j for j, w in enumerate(want) if torch.equal(piece, w)), None)
-                if j is None:
-                    break
-                sources.append(j)
-            if len(sources) == count and len(set(sources)) < count:
-                return {"dim": dim, "chunks": count, "sources": sources}
+    for dim, count, have, want in _chunkings(saved, loaded, most):
+        sources: list[int] = []
+        for position, piece in enumerate(have):
+            j = position if torch.equal(piece, want[position]) else next(
+                (j for j, w in enumerate(want) if torch.equal(piece, w)), None)
+            if j is None:
+                break
+            sources.append(j)
+        if len(sources) == count and len(set(sources)) < count:
+            return {"dim": dim, "chunks": count, "sources": sources}
     return None
 
 
