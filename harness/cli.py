@@ -312,9 +312,9 @@ def _demo(args: argparse.Namespace, runner: Any) -> int:
 
     write_atomic(out / "index.json", json.dumps(rows, indent=2))
     write_atomic(out / "index.html", render_index(rows, out))
-    print(f"open {out / 'index.html'}")
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)}/{len(rows)} named as expected" + (f"; wrong: {', '.join(r['target'] for r in bad)}" if bad else ""))
+    print(f"open {out / 'index.html'}")
     return EXIT_PASS if not bad else EXIT_DIAGNOSIS
 
 
