@@ -59,6 +59,31 @@ class RepeatComparison:
     differences: list[RepeatDifference] = field(default_factory=list)
     pins: dict[str, Any] = field(default_factory=dict)
     pins_differ: list[str] = field(default_factory=list)  # pins the two runs did not share
+    # How far apart the runs are at the first difference of a value (max abs, ULPs), where both
+    # records hold it: a hash says that they differ, this says by how much.
+    magnitude: dict[str, Any] = field(default_factory=dict)
+
+    def differ(self) -> dict[str, int]:
+        """Differences per category (the same keys as ``compared``)."""
+        out = dict.fromkeys(self.compared, 0)
+        for d in self.differences:
+            out[d.what] = out.get(d.what, 0) + 1
+        return out
+
+    def reading(self) -> str:
+        """What the categories that differ say about where the nondeterminism is."""
+        differ = self.differ()
+        if not self.differences:
+            return ""
+        if differ.get("samples"):
+            return "the runs read other samples: the data order is not seeded (a sampler, a shuffle, a worker's generator)"
+        if differ.get("collectives"):
+            return ("the ranks communicated otherwise (another op, group or order): an order that depends on timing or on "
+                    "which rank arrives first")
+        if differ.get("loss") and not differ.get("local-state"):
+            return "the losses differ while every rank's state is the same: a loss computed from something the runs do not share"
+        return ("samples and collectives identical, so the difference is local to a rank: a reduction or accumulation "
+                "order that depends on timing (atomics, threads, arrival order), or an unseeded random op")
 
     @property
     def identical(self) -> bool:
@@ -73,6 +98,7 @@ class RepeatComparison:
             "identical": self.identical, "steps": self.steps, "ranks": self.ranks, "compared": self.compared,
             "first_difference": asdict(self.first) if self.first else None,
             "differences": len(self.differences), "pins": self.pins, "pins_differ": self.pins_differ,
+            "differ": self.differ(), "magnitude": self.magnitude, "reading": self.reading(),
         }
 
     def diagnosis(self, runs: int = 2) -> Diagnosis | None:
@@ -85,8 +111,13 @@ class RepeatComparison:
         tensor = f", {first.kind} {first.name!r}" if first.name else ""
         summary = (f"{runs} runs on fresh ranks differ bitwise first at {where}{rank} ({first.what}{tensor}); "
                    f"{len(self.differences)} differences in all")
+        if self.magnitude.get("max_abs") is not None:
+            summary += f"; there by max abs {self.magnitude['max_abs']:.3g} ({self.magnitude['ulps']} ULPs)"
         return Diagnosis("nondeterministic-run", summary, {
+            "likely_source": self.reading(),
             "first_difference": asdict(first),
+            "magnitude": self.magnitude,
+            "differ": self.differ(),
             "differences": [d.line() for d in self.differences[:8]],
             "compared": self.compared,
             "pins": self.pins,
@@ -178,7 +209,48 @@ def compare_repeats(first: Record, second: Record, first_trace: Any = None, seco
                 break  # the rest of the rank's order follows from the first change
     out.compared = counts
     out.differences.sort(key=_order)
+    value = next((d for d in out.differences if d.what in ("loss", "local-state", "gathered-state")), None)
+    if value is not None:
+        out.magnitude = _magnitude(first, second, value)
     return out
+
+
+def _magnitude(first: Record, second: Record, d: RepeatDifference) -> dict[str, Any]:
+    """Max abs and ULP difference between the runs at ``d``: the loss's two values, or the
+    tensor both records gathered at that step (a rank's local piece is the whole's part)."""
+    import torch
+
+    try:
+        if d.what == "loss" and isinstance(d.first, str) and isinstance(d.second, str):
+            a, b = torch.tensor([float.fromhex(d.first)]), torch.tensor([float.fromhex(d.second)])
+            where = "the rank's loss"
+        elif d.kind and d.name and d.step is not None:
+            a, b = first.tensor(d.step, d.kind, d.name), second.tensor(d.step, d.kind, d.name)
+            where = f"{d.kind} {d.name!r} gathered"
+        else:
+            return {}
+    except Exception:  # noqa: BLE001 - a value one record does not hold: the hashes stand alone
+        return {}
+    if a.shape != b.shape or not a.is_floating_point():
+        return {}
+    return {"of": where, "step": d.step, "max_abs": float((a.double() - b.double()).abs().max()) if a.numel() else 0.0,
+            "ulps": _max_ulps(a, b), "dtype": str(a.dtype).removeprefix("torch.")}
+
+
+def _max_ulps(a: Any, b: Any) -> int:
+    """The largest number of representable values between two tensors' elements (their own dtype)."""
+    import torch
+
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    kind = ints.get(a.dtype)
+    if kind is None or a.numel() == 0:
+        return 0
+
+    def ordered(t: Any) -> Any:  # the float's bits as an integer that orders like the float
+        i = t.contiguous().view(kind).to(torch.int64)
+        return torch.where(i < 0, torch.iinfo(kind).min - i, i)
+
+    return int((ordered(a) - ordered(b)).abs().max())
 
 
 # Within a step, the order things happen in: the batch, its loss, gradients (and their

@@ -283,11 +283,21 @@ def _repeat(report: DiagnosisReport) -> str:
     head = ("bitwise identical" if repeat.get("identical")
             else f"{_e(repeat.get('differences'))} differences; the first: {_e(repeat.get('first_line', ''))}")
     compared = ", ".join(f"{_e(n)} {_e(what)}" for what, n in (repeat.get("compared") or {}).items())
+    differ = repeat.get("differ") or {}
+    if differ and not repeat.get("identical"):
+        compared = ("<table><tr><th scope='col'>category</th><th scope='col'>differ / compared</th></tr>"
+                    + "".join(f"<tr class='{'bad' if differ.get(what) else ''}'><td>{_e(what)}</td><td>{_e(differ.get(what, 0))} / "
+                              f"{_e(n)}</td></tr>" for what, n in (repeat.get("compared") or {}).items()) + "</table>")
+    magnitude = repeat.get("magnitude") or {}
+    if magnitude.get("max_abs") is not None:
+        head += _e(f"; there the runs are {magnitude['max_abs']:.3g} apart at most ({magnitude['ulps']} ULPs of "
+                   f"{magnitude['dtype']}, {magnitude['of']})")
+    reading = f"<p class='likely'>{_e(repeat['reading'])}</p>" if repeat.get("reading") else ""
     pins = repeat.get("pins") or {}
     rows = "".join(f"<tr><td>{_e(k)}</td><td class='code'>{_e(v)}</td></tr>" for k, v in pins.items())
-    differ = (f"<p>pins that differed between the runs: {_e(', '.join(repeat['pins_differ']))}</p>"
-              if repeat.get("pins_differ") else "")
-    return (f"<p>{_e(repeat.get('runs', 2))} runs on fresh ranks: {head}</p><p>compared: {compared}</p>{differ}"
+    pins_differ = (f"<p>pins that differed between the runs: {_e(', '.join(repeat['pins_differ']))}</p>"
+                   if repeat.get("pins_differ") else "")
+    return (f"<p>{_e(repeat.get('runs', 2))} runs on fresh ranks: {head}</p>{reading}<p>compared:</p>{compared}{pins_differ}"
             f"<table><tr><th>pin</th><th>value</th></tr>{rows}</table>")
 
 

@@ -117,6 +117,15 @@ def _repeat_lines(repeat: dict) -> list[str]:
     shown = ", ".join(f"{k} {pins[k]}" for k in ("seed", "world_size", "threads", "deterministic_algorithms", "backend") if k in pins)
     lines = [f"  repeat: {repeat.get('runs', 2)} runs on fresh ranks {head} ({compared} compared)",
              f"  pins: {shown}"]
+    magnitude = repeat.get("magnitude") or {}
+    if magnitude.get("max_abs") is not None:
+        lines.append(f"  apart by: max abs {magnitude['max_abs']:.3g}, {magnitude['ulps']} ULPs of {magnitude['dtype']} "
+                     f"({magnitude['of']}, step {magnitude['step']})")
+    if repeat.get("differ") and not repeat.get("identical"):
+        lines.append("  differ / compared: " + ", ".join(f"{what} {repeat['differ'].get(what, 0)}/{n}"
+                                                         for what, n in (repeat.get("compared") or {}).items()))
+    if repeat.get("reading"):
+        lines.append(f"  reading: {repeat['reading']}")
     if repeat.get("pins_differ"):
         lines.append(f"  pins that differed between the runs: {', '.join(repeat['pins_differ'])}")
     return lines
