@@ -176,10 +176,10 @@ def _write_reports(report: Any, json_path: str | None, html_path: str | None, tr
     written = []
     if json_path:
         written.append(f"json {report.write_json(json_path)}")
-    if html_path:
-        written.append(f"html {write_html(report, html_path)}")
-    if trace_path:
+    if trace_path:  # before the page that links it
         written.append(f"trace {write_chrome_trace(report, trace_path)}")
+    if html_path:
+        written.append(f"html {write_html(report, html_path, trace=trace_path)}")
     return written
 
 

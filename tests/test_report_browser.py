@@ -132,3 +132,29 @@ def test_the_index_page_links_every_target_it_ran(browser, tmp_path) -> None:
     assert {f"{r['target']}.html" for r in rows} <= set(hrefs) and all((tmp_path / h).exists() for h in hrefs), hrefs
     assert page.title() == "2/3 targets as expected" and "tp_missing_allreduce" in page.inner_text("body > p")
     page.close()
+
+
+def test_the_chrome_trace_joins_a_collective_across_its_ranks_and_shows_steps_and_waits() -> None:
+    from harness.codes import Verdict
+    from harness.report import chrome_trace
+    from harness.report.model import DiagnosisReport
+
+    def ev(group, ranks, seq, step, start):
+        return {"group": group, "group_ranks": ranks, "seq": seq, "op": "all_reduce", "step": step, "start_us": start,
+                "end_us": start + 5}
+
+    events = {"0": [ev("mesh_dp", [0, 2], 1, 0, 0), ev("mesh_dp", [0, 2], 2, 1, 20)],
+              "1": [ev("mesh_dp", [1, 3], 1, 0, 1)],  # the same name, another group: never joined to rank 0's
+              "2": [ev("mesh_dp", [0, 2], 1, 0, 2), ev("mesh_dp", [0, 2], 2, 1, 21)]}
+    report = DiagnosisReport(verdict=Verdict("hang", [], "stopped"), target={"name": "x", "strategy": "s", "nproc": 3, "case": "c",
+                                                                             "steps": 2},
+                             collectives={"events": events},
+                             ranks=[{"rank": 1, "state": "waiting", "op": "all_reduce", "seq": 2, "group": "mesh_dp",
+                                     "group_ranks": [1, 3], "site": "", "last_completed": ""}])
+    trace = chrome_trace(report)["traceEvents"]
+    starts = [e for e in trace if e["ph"] == "s"]
+    ends = [e for e in trace if e["ph"] == "f"]
+    assert len(starts) == 2 and len(ends) == 2 and {e["pid"] for e in ends} == {2}, (starts, ends)
+    assert sorted(e["name"] for e in trace if e.get("cat") == "step" and e["pid"] == 0) == ["step 0", "step 1"]
+    [wait] = [e for e in trace if e.get("cat") == "hang"]
+    assert wait["pid"] == 1 and wait["name"] == "waiting: all_reduce #2 on mesh_dp", wait

@@ -521,7 +521,7 @@ def _section_id(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def render_html(report: DiagnosisReport) -> str:
+def render_html(report: DiagnosisReport, *, trace_link: str | None = None) -> str:
     v = report.verdict
     t = report.target
     title = f"{v.verdict.upper()} {' '.join(v.codes)} - {t['name']}"
@@ -533,7 +533,10 @@ def render_html(report: DiagnosisReport) -> str:
         ("What was compared, and how", _how_compared(report) if report.comparison else ""),
         ("Sample ids per rank and step", _sample_grid(report) if report.samples.get("ranks") else ""),
         ("Mesh", _mesh_table(report) if report.mesh else ""),
-        ("Collective timeline", _timeline(report) if (report.collectives or {}).get("events") else ""),
+        ("Collective timeline", (_timeline(report) + (
+            f"<p>The same collectives as a Chrome trace, with step spans, arrows joining one collective across its "
+            f"ranks and a hung rank's wait: <a href='{_e(trace_link)}'>{_e(trace_link)}</a> (open it in ui.perfetto.dev "
+            "or chrome://tracing)</p>" if trace_link else "")) if (report.collectives or {}).get("events") else ""),
     ]
     if report.ranks:
         sections.insert(0, ("Where each rank is", _ranks(report)))
@@ -583,9 +586,11 @@ def render_index(rows: list[dict[str, Any]], folder: str | Path) -> str:
             f"{''.join(body)}</table></body></html>")
 
 
-def write_html(report: DiagnosisReport, path: str | Path) -> Path:
+def write_html(report: DiagnosisReport, path: str | Path, *, trace: str | Path | None = None) -> Path:
+    """Write the page; ``trace``: the Chrome trace written beside it, linked from the timeline."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     from reference.files import write_atomic
 
-    return write_atomic(path, render_html(report))
+    link = os.path.relpath(Path(trace).resolve(), path.resolve().parent) if trace else None
+    return write_atomic(path, render_html(report, trace_link=link))
