@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="PATH", help="write the JSON report here")
     d.add_argument("--html", metavar="PATH", help="write the self-contained HTML report here")
     d.add_argument("--trace", metavar="PATH", help="write the collective timeline as Chrome-trace JSON here")
-    d.add_argument("--out", metavar="DIR", default="harness-reports", help="demo only: directory for every target's reports (default harness-reports)")
+    d.add_argument("--out", metavar="DIR", default="harness-reports", help="directory for the reports: every target's in the demo, a TARGET's when no --json/--html/--trace is given (default harness-reports)")
     d.add_argument("--timeout", type=float, default=None, help=f"seconds before a run counts as hung (default: the target's TIMEOUT, else {settings.RUN_TIMEOUT_S:g})")
     d.add_argument("--stall-window", type=float, default=None, metavar="S",
                    help="seconds without progress on every running rank before a run counts as hung (default: the target's STALL_WINDOW, "
@@ -230,9 +230,24 @@ def _diagnose_one(args: argparse.Namespace, runner: Any) -> int:
         resume_at=args.resume_at, resume_into=args.resume_into, resume_nproc=args.resume_nproc,
     )
     print(format_terminal(report, verbose=args.verbose))
-    for line in _write_reports(report, args.json, args.html, args.trace):
-        print(f"  wrote {line}")
+    _write_one(args, report)
     return report.exit_code
+
+
+def _write_one(args: argparse.Namespace, report: Any) -> None:
+    """One target's reports: where --json/--html/--trace say, else all three under --out
+    (harness-reports/NAME.*), ending with the line to open."""
+    from harness.report.html import report_path
+
+    json_path, html_path, trace_path = args.json, args.html, args.trace
+    if not (json_path or html_path or trace_path):
+        html = report_path(args.out, None, report.target.get("name") or "report")
+        html.parent.mkdir(parents=True, exist_ok=True)
+        json_path, html_path, trace_path = str(html.with_suffix(".json")), str(html), str(html.with_suffix(".trace.json"))
+    for line in _write_reports(report, json_path, html_path, trace_path):
+        print(f"  wrote {line}")
+    if html_path:
+        print(f"open {html_path}")
 
 
 def _simulate(args: argparse.Namespace, name: str) -> Any:
@@ -259,8 +274,7 @@ def _simulate_one(args: argparse.Namespace) -> int:
         print(f"python -m harness: error: {args.target} does not fit {args.simulate} simulated ranks: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(format_terminal(report, verbose=args.verbose))
-    for line in _write_reports(report, args.json, args.html, args.trace):
-        print(f"  wrote {line}")
+    _write_one(args, report)
     return report.exit_code
 
 
@@ -397,6 +411,14 @@ def main(argv: list[str] | None = None) -> int:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             return _usage(parser, f"{flag} {path}: the folder {folder} does not exist or is not writable")
+    if args.target is not None and not (args.json or args.html or args.trace):
+        # The reports go under --out: refused now, not after the run, where it cannot be made.
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as exc:
+            return _usage(parser, f"--out {args.out}: cannot make the folder for the reports ({exc.strerror})")
+        if not os.access(args.out, os.W_OK):
+            return _usage(parser, f"--out {args.out}: the folder is not writable")
     sys.path.insert(0, os.getcwd())  # bundled `cases` and the user's own modules resolve from here
     from harness.launch.procs import terminate_as_interrupt
     from harness.launch.remote import RankRunner

@@ -452,3 +452,15 @@ def test_sigterm_to_the_cli_ends_the_run_at_once_and_names_what_it_recorded(tmp_
     while processes_with_env(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with_env(tag) == [], "rank processes outlived the CLI"
+
+
+def test_one_target_writes_its_reports_under_out_by_default_and_ends_with_the_line_to_open(rank_runner, reference_cache, tmp_path,
+                                                                                         capsys) -> None:
+    from harness import cli
+
+    args = cli._parser().parse_args(["diagnose", "summed_grads", "--out", str(tmp_path / "reports"), "-q", "--cache", reference_cache])
+    assert cli._diagnose_one(args, rank_runner) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"open {tmp_path / 'reports' / 'summed_grads.html'}", out[-4:]
+    assert {p.name for p in (tmp_path / "reports").iterdir()} == {"summed_grads.html", "summed_grads.json", "summed_grads.trace.json"}
+    assert "href='summed_grads.trace.json'" in (tmp_path / "reports" / "summed_grads.html").read_text()
