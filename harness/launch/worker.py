@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from harness import settings
-from harness.frames import is_harness_file
+from harness.frames import is_harness_file, is_library_frame
 from harness.launch import procs
 from harness.launch.protocol import HANDSHAKE_CONTROL, HANDSHAKE_TASK, RankDump, RankResult, ResetResult, TestTask
 from harness.tracing.entries import CollectiveEntry
@@ -265,9 +265,9 @@ def _pytest_longrepr(exc: BaseException, fn: Callable[..., Any] | None) -> str:
         tb = tb.filter(excinfo)
         if len(tb) > 2:  # pytest >= 8: entries are immutable, with_repr_style returns a copy
             tb = type(tb)([tb[0], *(entry.with_repr_style("short") for entry in tb[1:-1]), tb[-1]])
-        # The harness's own entries short (one line each): its rank body under the CLI, or
-        # where it raised, is not the source a person reads.
-        tb = type(tb)([entry.with_repr_style("short") if is_harness_file(str(entry.path)) else entry for entry in tb])
+        # Library entries short (one line each: the harness's rank body under the CLI, torch's
+        # internals, where a library raised): the user's own frames are the source a person reads.
+        tb = type(tb)([entry.with_repr_style("short") if is_library_frame(str(entry.path)) else entry for entry in tb])
         excinfo.traceback = tb
         return str(excinfo.getrepr(style="long", tbfilter=False, truncate_locals=True))
     except Exception:  # noqa: BLE001 - fall back to the plain traceback
