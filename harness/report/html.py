@@ -64,6 +64,9 @@ def _svg(fig: Any) -> str:
 
 
 def _loss_plot(report: DiagnosisReport) -> str:
+    """The loss per step, reference against parallel, and under it what the eye cannot see on
+    curves that lie on each other: |parallel - reference| per step (the reference the verdict
+    compared with: the stepwise replay where there is one) against the loss's tolerance band."""
     ref = report.losses.get("reference") or []
     par = report.losses.get("parallel") or []
     if not ref and not par:
@@ -73,16 +76,37 @@ def _loss_plot(report: DiagnosisReport) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 3))
+    compared = report.losses.get("stepwise") or ref
+    allowed = {r["step"]: r for r in (report.comparison or {}).get("tensors") or [] if r["kind"] == "loss" and r["name"] == "loss"}
+    diffs = [(i, abs(p - e), allowed.get(i)) for i, (p, e) in enumerate(zip(par, compared))
+             if isinstance(p, (int, float)) and isinstance(e, (int, float))]
+    fig, axes = plt.subplots(2 if diffs else 1, 1, figsize=(6.5, 4.6 if diffs else 3), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2]} if diffs else None)
+    ax = axes[0] if diffs else axes
     for values, label, style in ((ref, "reference (1 device)", "o-"), (par, f"parallel ({report.target['nproc']} {'simulated ' if report.target.get('simulated') else ''}ranks)", "s--")):
         points = [(i, v) for i, v in enumerate(values) if isinstance(v, (int, float))]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
-    ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_xticks(range(max(len(ref), len(par))))
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    if diffs:
+        low = axes[1]
+        floor = 1e-12
+        low.semilogy([d[0] for d in diffs], [max(d[1], floor) for d in diffs], "s-", color="#b71c1c", label="|parallel - reference|")
+        band = [(i, row["tolerance"]["atol"] + row["tolerance"]["rtol"] * abs(float(row.get("expected_at_worst") or 0.0)))
+                for i, _, row in diffs if row is not None and row.get("tolerance")]
+        if band:
+            low.fill_between([b[0] for b in band], floor, [max(b[1], floor) for b in band], color="#2e7d32", alpha=0.18,
+                             label="within tolerance")
+        low.set_ylabel("|difference|")
+        low.legend(fontsize=8)
+        low.grid(alpha=0.3)
+        axes[-1].set_xlabel("step")
+    else:
+        ax.set_xlabel("step")
+    axes_last = axes[-1] if diffs else ax
+    axes_last.set_xticks(range(max(len(ref), len(par))))
     svg = _svg(fig)
     plt.close(fig)
     return svg
