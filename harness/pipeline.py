@@ -618,9 +618,15 @@ def _diagnose_resume(target: str, resolved: Target, *, at: int, into: str | None
                                checkpoint={"path": str(checkpoint), "at": at}, **options)
         saved = (first.comparison or {}).get("actual")
         if first.verdict.verdict in ("hang", "error") or not saved or not (checkpoint / MANIFEST).is_file():
-            first.resume = {"at": at, "skipped": f"the saving run left no {'checkpoint' if saved else 'record'} "
-                                                 f"(verdict {first.verdict.verdict})"}
+            reason = f"the saving run left no {'checkpoint' if saved else 'record'} (verdict {first.verdict.verdict})"
+            first.resume = {"at": at, "skipped": reason}
             first.workdir = str(work)
+            if first.verdict.verdict == "pass":
+                # The check asked for did not run: never a PASS.
+                from harness.codes import verdict_for
+
+                first.verdict = verdict_for(first.verdict.diagnoses, passed=False,
+                                            error=f"the resume check at step {at} could not run: {reason}")
             return first
         say(f"resume: run 2 loads it into {into_target.name} on {world_into} fresh ranks and trains steps {at}..{case.steps - 1}")
         fresh = base.fresh()

@@ -74,6 +74,32 @@ def test_the_cli_refuses_resume_flags_it_cannot_honour(capsys) -> None:
     assert "--resume-at" in capsys.readouterr().err
     assert cli.main(["diagnose", "fsdp", "--resume-at", "0"]) == 2
     assert cli.main(["diagnose", "fsdp", "--resume-at", "1", "--simulate", "2"]) == 2
+    capsys.readouterr()
+    assert cli.main(["diagnose", "fsdp", "--resume-at", "1", "--resume-nproc", "0"]) == 2  # never silently the default
+    assert "--resume-nproc: a world size must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_resume_check_that_cannot_run_is_never_a_pass(tmp_path, monkeypatch) -> None:
+    """RESUME_NPROC beyond the machine is refused when the target is read, not after the saving
+    run; a saving run that left no checkpoint makes the check an error, not a PASS."""
+    from harness import pipeline
+    from harness.codes import Verdict
+    from harness.report.model import DiagnosisReport
+    from harness.targets.target import load_target
+
+    target = tmp_path / "huge.py"
+    target.write_text("from cases.bugs.double_averaged_ddp import CASE\nfrom cases.strategies.ddp import DDPStrategy\n"
+                      "STRATEGY = DDPStrategy\nRESUME_AT = 1\nRESUME_NPROC = 100000\n")
+    with pytest.raises(TargetError, match="RESUME_NPROC: 100000 ranks exceed"):
+        load_target(str(target))
+
+    def saved_nothing(*args, **kwargs):  # a saving run that passed but wrote no checkpoint
+        return DiagnosisReport(verdict=Verdict("pass", [], ""), target={"name": "ddp"}, comparison={"actual": str(tmp_path / "rec")})
+
+    monkeypatch.setattr(pipeline, "_diagnose_once", saved_nothing)
+    report = diagnose_target("ddp", resume_at=1, runner=object(), workdir=tmp_path / "run")
+    assert report.verdict.verdict == "error" and report.exit_code != 0, report.verdict.to_dict()
+    assert "resume check at step 1 could not run: the saving run left no checkpoint" in report.verdict.error
 
 
 # -- real ranks ---------------------------------------------------------------------------------

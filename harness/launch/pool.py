@@ -76,7 +76,10 @@ def rank_bound() -> tuple[int, str]:
 
 
 def check_world_size(nproc: int) -> None:
-    """Raise ValueError for a world size beyond :func:`rank_bound` (before any rank forks)."""
+    """Raise ValueError for a world size below 1 or beyond :func:`rank_bound` (before any rank
+    forks)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"a world size must be an int >= 1, got {nproc!r}")
     bound, why = rank_bound()
     if nproc > bound:
         raise ValueError(

@@ -244,6 +244,13 @@ def target_from_module(module: ModuleType, name: str | None = None, *, label: st
     for key, value in resume.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise TargetError(f"{where}: {key} must be an int >= 1, got {value!r}")
+    if resume["RESUME_NPROC"] is not None:
+        from harness.launch.pool import check_world_size
+
+        try:  # refused here, not after the saving run
+            check_world_size(resume["RESUME_NPROC"])
+        except ValueError as exc:
+            raise TargetError(f"{where}: RESUME_NPROC: {exc}") from None
     resume_into = getattr(module, "RESUME_INTO", None)
     if resume_into is not None and not isinstance(resume_into, str):
         raise TargetError(f"{where}: RESUME_INTO must be a target name or path (a str), got {resume_into!r}")
