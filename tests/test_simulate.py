@@ -227,6 +227,16 @@ def test_cli_refuses_fsdp_under_simulation_with_usage_status(capsys) -> None:
     assert cli.main(["diagnose", "tp", "--simulate", "2", "--nproc", "2"]) == cli.EXIT_USAGE
 
 
+@pytest.mark.parametrize("pp", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_a_pipeline_of_one_block_a_stage_is_checked(pp: int) -> None:
+    """Each stage holds one block of its ModuleDict: the container has no forward to wrap, so
+    its block is the replicated unit (a pipeline of 4 or more stages once crashed in replicate)."""
+    report = check_layout(layout_plan(pp=pp))
+    assert report.diagnoses == [], [d.summary for d in report.diagnoses]
+    assert sorted(report.mesh_groups["pp"]) == [list(range(pp))]
+    assert all(row["params"] == row["expected"]["params"] for row in report.ranks)
+
+
 def test_layout_of_a_model_the_degrees_do_not_split_is_a_usage_error(capsys) -> None:
     """--heads / --layers fix the model: tp=5 over 4 heads (or pp=3 over 4 layers) exits with
     the usage status naming the degrees that would split it; without them the plan says how

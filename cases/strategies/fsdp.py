@@ -84,7 +84,15 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     found = repeated_blocks(model)
     if found is not None:
         return found[1]
-    children = [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+    children: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            # A container has no forward to wrap (a pipeline stage's one block in its ModuleDict):
+            # its members are the units.
+            members = child.items() if isinstance(child, nn.ModuleDict) else enumerate(child)
+            children += [(f"{name}.{k}", m) for k, m in members if any(True for _ in m.parameters())]
+        elif any(True for _ in child.parameters()):
+            children.append((name, child))
     warnings.warn(
         f"FSDP units: {type(model).__name__} has no repeated block list (a ModuleList of one block "
         f"class); sharding each direct child that owns parameters instead: {[n for n, _ in children]}. "
