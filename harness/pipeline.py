@@ -642,6 +642,9 @@ def _diagnose_resume(target: str, resolved: Target, *, at: int, into: str | None
     v = first.verdict
     if second.resume:
         first.resume = second.resume
+        # Both runs' losses per step, for the report's picture of the continuation.
+        first.resume["losses"] = {"uninterrupted": list(first.losses.get("parallel") or []),
+                                  "resumed": list(second.losses.get("parallel") or [])}
         first.verdict = verdict_for([*v.diagnoses, *second.verdict.diagnoses], passed=v.verdict == "pass" and second.resume["passed"],
                                     error=v.error)
     else:  # the resumed run itself failed: a checkpoint that does not load is the finding, shown as it failed

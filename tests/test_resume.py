@@ -459,3 +459,7 @@ def test_a_reseed_after_the_load_names_the_random_op_that_drew_otherwise(rank_ru
     assert report.verdict.codes == ["resume-continuation-departs"], (report.verdict.to_dict(), report.resume)
     first = report.resume["continuation"]["first_difference"]
     assert first["step"] == 2 and first["draw"]["op"].startswith("aten.") and "re-seeded" in first["what"], first
+    # The report draws the resumed run's losses against the uninterrupted run's.
+    losses = report.resume["losses"]
+    assert len(losses["uninterrupted"]) == len(losses["resumed"]) == 4 and losses["resumed"][2] != losses["uninterrupted"][2]
+    assert "resumed at step 2" in render_html(report)

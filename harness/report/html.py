@@ -295,7 +295,38 @@ def _resume(report: DiagnosisReport) -> str:
     cont_line = (f"<p>continuation ({_e(cont.get('compared'))}): "
                  + (f"departs at step {_e(first['step'])}: {_e(first['what'])}" if first
                     else f"steps {_e(resume.get('at'))}..{_e(cont.get('last_step'))} agree") + "</p>") if cont else ""
-    return head + table + (f"<ul>{lost}</ul>" if lost else "") + cont_line
+    return head + table + (f"<ul>{lost}</ul>" if lost else "") + cont_line + _resume_plot(resume)
+
+
+def _resume_plot(resume: dict[str, Any]) -> str:
+    """The uninterrupted run's loss against the resumed run's from the step it continued at,
+    the first step where the continuation departs marked."""
+    losses = resume.get("losses") or {}
+    at = int(resume.get("at") or 0)
+    whole = [(i, v) for i, v in enumerate(losses.get("uninterrupted") or []) if isinstance(v, (int, float))]
+    resumed = [(i, v) for i, v in enumerate(losses.get("resumed") or []) if i >= at and isinstance(v, (int, float))]
+    if not whole or not resumed:
+        return ""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 2.6))
+    ax.plot([p[0] for p in whole], [p[1] for p in whole], "o-", label="uninterrupted run")
+    ax.plot([p[0] for p in resumed], [p[1] for p in resumed], "s--", label=f"resumed at step {at}")
+    ax.axvline(at - 0.5, color="#888", linestyle=":", linewidth=1)
+    first = (resume.get("continuation") or {}).get("first_difference")
+    if first and isinstance(first.get("step"), int):
+        ax.axvline(first["step"], color="#c62828", linewidth=1.5, label=f"departs at step {first['step']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_xticks(range(len(losses.get("uninterrupted") or [])))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    svg = _svg(fig)
+    plt.close(fig)
+    return svg
 
 
 def _repeat(report: DiagnosisReport) -> str:
