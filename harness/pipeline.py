@@ -687,7 +687,8 @@ def _with_repeat(reports: list[DiagnosisReport], runs: int) -> DiagnosisReport:
             break
     assert outcome is not None
     first.repeat = {"runs": runs, "workdirs": [r.workdir for r in reports], **outcome.to_dict(),
-                    "first_line": outcome.first.line() if outcome.first else ""}
+                    "first_line": outcome.first.line() if outcome.first else "",
+                    "losses": [list(r.losses.get("parallel") or []) for r in reports]}  # each run's, for the picture
     found = outcome.diagnosis(runs)
     if found is not None:
         v = first.verdict

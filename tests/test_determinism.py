@@ -13,6 +13,7 @@ import torch
 
 from harness.analysis.determinism import compare_repeats, pin_report
 from harness.pipeline import diagnose_target
+from harness.report.html import render_html
 from reference.record import RecordWriter
 
 LOOPS = Path(__file__).parent / "custom_loops"
@@ -97,6 +98,10 @@ def test_an_unseeded_random_op_on_one_rank_is_named_at_that_ranks_first_loss(ran
     first = found.evidence["first_difference"]
     assert (first["what"], first["step"], first["rank"]) == ("loss", 0, 1), first
     assert found.evidence["pins"]["seed"] == 0 and "deterministic_algorithms" in found.evidence["pins"]
+    # With magnitudes: the rank's two losses, how far apart; the categories read; both runs drawn.
+    assert found.evidence["magnitude"]["of"] == "the rank's loss" and found.evidence["magnitude"]["max_abs"] > 0, found.evidence
+    assert found.evidence["differ"]["samples"] == 0 and found.evidence["differ"]["loss"] >= 1, found.evidence["differ"]
+    assert len(bug.repeat["losses"]) == 2 and "run 2 - run 1" in render_html(bug)
     ok = diagnose_target(f"{path}:seeded", runner=rank_runner, cache=reference_cache, workdir=tmp_path / "ok", repeat=2)
     assert ok.verdict.verdict == "pass" and ok.repeat["identical"], (ok.verdict.to_dict(), ok.repeat)
 

@@ -221,8 +221,15 @@ def _magnitude(first: Record, second: Record, d: RepeatDifference) -> dict[str, 
     import torch
 
     try:
-        if d.what == "loss" and isinstance(d.first, str) and isinstance(d.second, str):
-            a, b = torch.tensor([float.fromhex(d.first)]), torch.tensor([float.fromhex(d.second)])
+        if d.what == "loss" and d.first is not None and d.second is not None:
+            # A rank's micro-batch losses as float.hex (one, or a list of them).
+            first_hex = d.first if isinstance(d.first, list) else [d.first]
+            second_hex = d.second if isinstance(d.second, list) else [d.second]
+            pairs = [(x, y) for x, y in zip(first_hex, second_hex) if isinstance(x, str) and isinstance(y, str)]
+            if not pairs:
+                return {}
+            a = torch.tensor([float.fromhex(x) for x, _ in pairs], dtype=torch.float32)
+            b = torch.tensor([float.fromhex(y) for _, y in pairs], dtype=torch.float32)
             where = "the rank's loss"
         elif d.kind and d.name and d.step is not None:
             a, b = first.tensor(d.step, d.kind, d.name), second.tensor(d.step, d.kind, d.name)

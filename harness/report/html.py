@@ -353,7 +353,39 @@ def _repeat(report: DiagnosisReport) -> str:
     pins_differ = (f"<p>pins that differed between the runs: {_e(', '.join(repeat['pins_differ']))}</p>"
                    if repeat.get("pins_differ") else "")
     return (f"<p>{_e(repeat.get('runs', 2))} runs on fresh ranks: {head}</p>{reading}<p>compared:</p>{compared}{pins_differ}"
-            f"<table><tr><th>pin</th><th>value</th></tr>{rows}</table>")
+            f"<table><tr><th>pin</th><th>value</th></tr>{rows}</table>{_repeat_plot(repeat)}")
+
+
+def _repeat_plot(repeat: dict[str, Any]) -> str:
+    """|run k - run 1| of the loss per step (log scale): runs that repeat bitwise draw nothing,
+    and how far apart the others drift step by step is seen at once."""
+    series = repeat.get("losses") or []
+    if len(series) < 2 or repeat.get("identical"):
+        return ""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = series[0]
+    fig, ax = plt.subplots(figsize=(6.5, 2.4))
+    drawn = False
+    for k, other in enumerate(series[1:], 2):
+        points = [(i, abs(b - a)) for i, (a, b) in enumerate(zip(base, other))
+                  if isinstance(a, (int, float)) and isinstance(b, (int, float))]
+        if points:
+            ax.semilogy([p[0] for p in points], [max(p[1], 1e-16) for p in points], "s-", label=f"|run {k} - run 1| of the loss")
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return ""
+    ax.set_xlabel("step")
+    ax.set_xticks(range(len(base)))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    svg = _svg(fig)
+    plt.close(fig)
+    return svg
 
 
 def _num(x: Any) -> str:
