@@ -142,7 +142,7 @@ def _profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         write_atomic(args.json, json.dumps({"verdict": report.verdict.to_dict(), "profile": profile}, indent=2, default=str))
         print(f"  wrote {args.json}")
     if args.html:
-        write_atomic(args.html, render_profile_html(profile, verdict=report.verdict.to_dict()))
+        write_atomic(args.html, render_profile_html(profile, verdict=report.verdict.to_dict(), page=args.html))
         print(f"  wrote {args.html}")
     return report.exit_code if report.exit_code or not exceeded else EXIT_DIAGNOSIS
 

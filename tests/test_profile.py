@@ -153,3 +153,26 @@ def test_profile_run_in_a_distributed_test_gives_every_rank_the_profile(dist_ctx
     _consistent(profile)
     assert profile["nproc"] == 2 and set(profile["ranks"]) == {0, 1}
     assert Path(profile["ranks"][dist_ctx.rank]["trace"]).parent == tmp_path / "traces"
+
+
+def test_the_profile_page_judges_the_bubble_and_its_colours_differ_in_lightness() -> None:
+    from harness.report.profile import PALETTE, bubble_judgement
+
+    def luminance(colour: str) -> float:
+        def channel(c: float) -> float:
+            return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+        r, g, b = (channel(int(colour[i:i + 2], 16) / 255) for i in (1, 3, 5))
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    def contrast(a: str, b: str) -> float:
+        la, lb = sorted((luminance(a), luminance(b)), reverse=True)
+        return (la + 0.05) / (lb + 0.05)
+
+    # Told apart in grey too (the review measured 1.01:1 between compute and communication).
+    assert contrast(PALETTE["compute"], PALETTE["comm"]) >= 3 and contrast(PALETTE["idle"], "#ffffff") >= 3
+    stages = {"[0]": {"rank": 0, "busy_s": 0.021, "idle_s": 0.022, "fraction": 0.51},
+              "[1]": {"rank": 1, "busy_s": 0.017, "idle_s": 0.021, "fraction": 0.56}}
+    bubble = {"theory": 0.2, "stages": 2, "micro_batches": 4, "imbalance": 1.05, "measured": {"mean": 0.53, "per_stage": stages}}
+    said = bubble_judgement(bubble)
+    assert said.startswith("2.6x theory: the stages are balanced") and "stage [0] (rank 0) idles most" in said, said
+    assert bubble_judgement({**bubble, "measured": {"mean": 0.22, "per_stage": stages}}).startswith("at theory"), said

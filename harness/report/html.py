@@ -21,7 +21,7 @@ __all__ = ["render_html", "render_index", "report_path", "write_html"]
 
 _OP_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f", "#bab0ac"]
 
-_CSS = """
+STYLESHEET = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1200px}
 h1{font-size:22px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .verdict{display:inline-block;padding:4px 10px;border-radius:4px;color:#fff;font-weight:600}
@@ -639,7 +639,7 @@ def render_html(report: DiagnosisReport, *, trace_link: str | None = None) -> st
         + (f"; expected code <span class='code'>{_e(t['expected_code'])}</span>" if t.get("expected_code") else "")
     )
     return (
-        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>"
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title><style>{STYLESHEET}</style></head><body>"
         f"<h1><span class='verdict {v.verdict}'>{v.verdict.upper()}</span> {_e(t['name'])}</h1><p>{meta}</p>"
         f"{_summary_card(summarize(report))}{toc}{body}"
         f"<p class='muted'>harness diagnosis report, schema in harness/report/model.py</p></body></html>"
@@ -666,7 +666,7 @@ def render_index(rows: list[dict[str, Any]], folder: str | Path) -> str:
     head = "<tr><th scope='col'>target</th><th scope='col'>verdict</th><th scope='col'>codes</th><th scope='col'>expected</th>" \
            "<th scope='col'>as expected</th><th scope='col'>where it departs</th><th scope='col'>files</th></tr>"
     title = f"{len(rows) - len(bad)}/{len(rows)} targets as expected"
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head>"
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title><style>{STYLESHEET}</style></head>"
             f"<body><h1>{_e(title)}</h1>"
             + (f"<p>not as expected: {', '.join(_e(r['target']) for r in bad)}</p>" if bad else "")
             + f"<table><caption class='muted'>every target the run diagnosed; each name opens its report</caption>{head}"

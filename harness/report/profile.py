@@ -5,9 +5,10 @@ idle; the bubble against theory; collective bytes per group; memory)."""
 from __future__ import annotations
 
 import html
+import os
 from typing import Any
 
-__all__ = ["format_profile", "render_profile_html"]
+__all__ = ["PALETTE", "bubble_judgement", "format_profile", "render_profile_html"]
 
 
 def _ms(s: float | None) -> str:
@@ -54,14 +55,21 @@ def format_profile(profile: dict[str, Any]) -> str:
         imbalance = f"; stage imbalance {bubble['imbalance']:.2f}" if bubble["imbalance"] else ""
         lines.append(f"  pipeline bubble: measured {bubble['measured']['mean']:.2f} ({per}) against (p-1)/(m+p-1) = "
                      f"{bubble['theory']:.2f} for p={bubble['stages']}, m={bubble['micro_batches']}{imbalance}")
+        lines.append(f"    {bubble_judgement(bubble)}")
     lines.append(f"  per-rank Chrome traces: {profile['trace_dir']}")
     return "\n".join(lines)
 
 
+# Colours that differ in lightness as well as hue (read in grey, and by a reader who does not
+# tell green from orange): dark blue compute, mid blue overlap, orange communication, grey idle.
+PALETTE = {"compute": "#1b4f72", "overlap": "#5b9bd5", "comm": "#e07b00", "idle": "#8c8c8c", "stage": "#7b3294",
+           "recording": "#c8c8c8"}
+
+
 def _bar(r: dict[str, Any], scale: float) -> str:
     """One rank's step as a bar: compute only, compute and communication at once, communication only, idle."""
-    parts = [(r["compute_s"] - r["overlap_s"], "#4a7", "compute"), (r["overlap_s"], "#8a4", "overlap"),
-             (r["exposed_comm_s"], "#c84", "communication (exposed)"), (r["idle_s"], "#ccc", "idle")]
+    parts = [(r["compute_s"] - r["overlap_s"], PALETTE["compute"], "compute"), (r["overlap_s"], PALETTE["overlap"], "overlap"),
+             (r["exposed_comm_s"], PALETTE["comm"], "communication (exposed)"), (r["idle_s"], PALETTE["idle"], "idle")]
     x, out = 0.0, []
     for length, colour, what in parts:
         w = max(length, 0.0) * scale
@@ -76,7 +84,7 @@ def _timeline(profile: dict[str, Any]) -> str:
     ranks = list(profile["ranks"].values())
     longest = max((r["timeline"]["length_ms"] for r in ranks if r.get("timeline")), default=0.0) or 1.0
     width, lane_h = 800, 8
-    colours = {"compute": "#4a7", "comm": "#c84", "stage": "#58c", "recording": "#bbb"}
+    colours = PALETTE
     rows = []
     for r in ranks:
         t = r.get("timeline")
@@ -91,9 +99,9 @@ def _timeline(profile: dict[str, Any]) -> str:
         rows.append(f"<tr><td>{r['rank']}</td><td>{', '.join(lanes)}</td><td><svg width='{width}' height='{len(lanes) * lane_h}'>"
                     f"<rect x='0' y='0' width='{t['length_ms'] / longest * width:.1f}' height='{len(lanes) * lane_h}' fill='#f4f4f4'/>"
                     f"{''.join(rects)}</svg></td></tr>")
-    return (f"<h2>Timeline of the last profiled step ({longest:.1f} ms)</h2><p>lanes top to bottom as listed: compute "
-            "(green), communication (orange), pipeline stage chunks (blue), the harness's own recording (grey); "
-            "gaps are idle</p><table><tr><th>rank</th><th>lanes</th><th>timeline</th></tr>" + "".join(rows) + "</table>")
+    return (f"<h2 id='timeline'>Timeline of the last profiled step ({longest:.1f} ms)</h2><p>lanes top to bottom as listed: "
+            "compute (dark blue), communication (orange), pipeline stage chunks (purple), the harness's own recording (light "
+            "grey); gaps are idle</p><table><tr><th>rank</th><th>lanes</th><th>timeline</th></tr>" + "".join(rows) + "</table>")
 
 
 def _arith(r: dict[str, Any]) -> str:
@@ -101,8 +109,36 @@ def _arith(r: dict[str, Any]) -> str:
     return " / ".join(_bytes(a[k]) for k in ("params", "grads", "optimizer")) if a else "-"
 
 
-def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | None = None) -> str:
-    """The profile as one self-contained HTML page."""
+def _link(target: str, page: str | None) -> str:
+    """``target`` as a link from the page at ``page`` (relative where both are known)."""
+    if page is None:
+        return target
+    return os.path.relpath(os.path.abspath(target), os.path.dirname(os.path.abspath(page)))
+
+
+def bubble_judgement(bubble: dict[str, Any]) -> str:
+    """The measured bubble against (p-1)/(m+p-1), said as a judgement with its likely reason."""
+    theory, measured = float(bubble["theory"]), float(bubble["measured"]["mean"])
+    stages = bubble["measured"]["per_stage"]
+    idlest = max(stages.items(), key=lambda kv: kv[1]["idle_s"]) if stages else None
+    where = (f"; stage {idlest[0]} (rank {idlest[1]['rank']}) idles most, {_ms(idlest[1]['idle_s'])} a step"
+             if idlest is not None else "")
+    if theory <= 0:
+        return f"measured {measured:.2f}{where}"
+    ratio = measured / theory
+    if ratio <= 1.25:
+        return f"at theory ({ratio:.1f}x (p-1)/(m+p-1)): the schedule's own fill and drain{where}"
+    imbalance = bubble.get("imbalance")  # the busiest stage's busy time over the least busy's
+    fixed = ("each micro-batch's work is small against what every send, receive and chunk costs, so more micro-batches "
+             "barely shrink it (on CPU especially)")
+    why = (f"the busiest stage works {imbalance:.2f}x the least busy (the others wait for it), and {fixed}"
+           if isinstance(imbalance, (int, float)) and imbalance > 1.2 else f"the stages are balanced; {fixed}")
+    return f"{ratio:.1f}x theory: {why}{where}"
+
+
+def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | None = None, page: str | None = None) -> str:
+    """The profile as one self-contained HTML page; ``page``: where it is written, so the
+    per-rank traces are linked relative to it."""
     e = html.escape
     longest = max(r["step_s"] for r in profile["ranks"].values()) or 1.0
     scale = 600 / longest
@@ -123,13 +159,24 @@ def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | No
         b = profile["bubble"]
         stages = "".join(f"<tr><td>{e(k)}</td><td>{v['rank']}</td><td>{_ms(v['busy_s'])}</td><td>{_ms(v['idle_s'])}</td>"
                          f"<td>{v['fraction']:.2f}</td></tr>" for k, v in b["measured"]["per_stage"].items())
-        bubble = (f"<h2>Pipeline bubble</h2><p>measured mean {b['measured']['mean']:.2f} against (p-1)/(m+p-1) = "
-                  f"{b['theory']:.2f} (p={b['stages']}, m={b['micro_batches']})</p><table><tr><th>stage</th><th>rank</th>"
+        bubble = (f"<h2 id='bubble'>Pipeline bubble</h2><p>measured mean {b['measured']['mean']:.2f} against (p-1)/(m+p-1) = "
+                  f"{b['theory']:.2f} (p={b['stages']}, m={b['micro_batches']})</p><p class='likely'>{e(bubble_judgement(b))}</p>"
+                  "<table><tr><th>stage</th><th>rank</th>"
                   f"<th>busy</th><th>idle</th><th>bubble fraction</th></tr>{stages}</table>")
+    traces = ""
+    if profile.get("trace_dir"):
+        files = [f"rank{r['rank']}.json" for r in profile["ranks"].values()]
+        traces = ("<h2 id='traces'>Per-rank traces</h2><p>torch.profiler's Chrome traces of the profiled steps (open in "
+                  "ui.perfetto.dev or chrome://tracing; Holistic Trace Analysis reads the folder: "
+                  f"<span class='code'>TraceAnalysis(trace_dir={e(repr(str(profile['trace_dir'])))})</span>):</p><ul>"
+                  + "".join(f"<li><a href='{e(_link(os.path.join(str(profile['trace_dir']), f), page))}'>{e(f)}</a></li>"
+                            for f in files)
+                  + "</ul>")
     verdict_line = f"<p>verdict: <b>{e(str((verdict or {}).get('verdict', '?')))}</b></p>" if verdict else ""
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>profile {e(profile['target'])}</title>"
-            "<style>body{font-family:sans-serif;margin:1em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:2px 6px;text-align:right}</style></head><body>"
+    from harness.report.html import STYLESHEET
+
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>profile {e(profile['target'])}</title>"
+            f"<style>{STYLESHEET}</style></head><body>"
             f"<h1>Profile of {e(profile['target'])} ({e(profile['strategy'])}) on {profile['nproc']} ranks</h1>{verdict_line}"
             f"<p>{profile['steps']} profiled steps after {profile['warmup']} warm-up. {e(profile['informational'])}.</p>"
             "<h2>Per rank (mean per step)</h2><p>bar: compute, compute overlapped with communication, exposed "
@@ -139,5 +186,5 @@ def render_profile_html(profile: dict[str, Any], *, verdict: dict[str, Any] | No
             "<h2>Collectives per group (profiled steps)</h2><table><tr><th>rank</th><th>group</th><th>count</th>"
             f"<th>bytes</th></tr>{groups}</table><h2>Memory</h2><table><tr><th>rank</th><th>parameters</th>"
             f"<th>gradients (after zero_grad)</th><th>optimizer</th><th>arithmetic: params / grads / optimizer</th><th>peak allocated</th>"
-            f"<th>peak from</th></tr>{memory}</table>"
+            f"<th>peak from</th></tr>{memory}</table>{traces}"
             "</body></html>")
