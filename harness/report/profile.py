@@ -62,7 +62,7 @@ def format_profile(profile: dict[str, Any]) -> str:
 
 # Colours that differ in lightness as well as hue (read in grey, and by a reader who does not
 # tell green from orange): dark blue compute, mid blue overlap, orange communication, grey idle.
-PALETTE = {"compute": "#1b4f72", "overlap": "#5b9bd5", "comm": "#e07b00", "idle": "#8c8c8c", "stage": "#7b3294",
+PALETTE = {"compute": "#1b4f72", "overlap": "#5b9bd5", "comm": "#f5a623", "idle": "#8c8c8c", "stage": "#7b3294",
            "recording": "#c8c8c8"}
 
 
