@@ -664,6 +664,7 @@ class Analysis:
         ranks whose copy is not the reference's - their optimizer step (phase ``optimizer``, the
         first such rank). The comparison reads one copy; this reads each."""
         from harness.analysis.divergence.line import location_line
+        from harness.analysis.divergence.steps import optimizer_step_name
 
         extra = self.act.step(step).extra
         if extra.get("replica_mismatch", {}).get("grad") or any(
@@ -690,9 +691,7 @@ class Analysis:
         if worst is None:
             return None
         max_abs, name, ranks, scale, tol = worst
-        factory = getattr(self.case, "optimizer_factory", None)
-        optimizer = getattr(getattr(factory, "func", factory), "__name__", type(factory).__name__) if factory else "optimizer"
-        where = {"phase": "optimizer", "module": name, "module_type": None, "op": f"{optimizer}.step", "rank": ranks[0],
+        where = {"phase": "optimizer", "module": name, "module_type": None, "op": optimizer_step_name(self.case), "rank": ranks[0],
                  "ranks": ranks, "step": step, "max_abs": max_abs, "max_rel": max_abs / scale if scale else 0.0,
                  "tolerance": {"rtol": tol.rtol, "atol": tol.atol, "of": "each element"},
                  "compared": f"the gradients of step {step} agree across the replicas and match the reference; the copy "

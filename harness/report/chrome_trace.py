@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.model import DiagnosisReport
-from harness.report.summary import divergence_positions
+from harness.report.summary import divergence_positions, waits_in
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
@@ -34,7 +34,7 @@ def chrome_trace(report: DiagnosisReport) -> dict[str, Any]:
             if isinstance(ev.get("step"), int):
                 lo, hi = steps_of.setdefault(rank_key, {}).get(ev["step"], (ts, te))
                 steps_of[rank_key][ev["step"]] = (min(lo, ts), max(hi, te))
-    waiting = {r["rank"]: _waiting_in(r) for r in (report.ranks or []) if r.get("state") == "waiting"}
+    waiting = {r["rank"]: waits_in(r) or "a collective" for r in (report.ranks or []) if r.get("state") == "waiting"}
     for rank_key in sorted(events, key=int):
         rank = int(rank_key)
         out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
@@ -86,12 +86,6 @@ def chrome_trace(report: DiagnosisReport) -> dict[str, Any]:
                         "tid": tid, "ts": ts + dur / 2})
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {"verdict": report.verdict.verdict, "codes": report.codes, "target": report.target.get("name")}}
-
-
-def _waiting_in(row: dict[str, Any]) -> str:
-    seq = f" #{row['seq']}" if row.get("seq") is not None else ""
-    group = f" on {row['group']}" if row.get("group") else ""
-    return f"{row.get('op') or 'a collective'}{seq}{group}"
 
 
 def write_chrome_trace(report: DiagnosisReport, path: str | Path) -> Path:

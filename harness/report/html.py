@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report.model import DiagnosisReport
-from harness.report.summary import HeatMap, Summary, divergence_positions, heat_map, summarize, tolerance_ratio
+from harness.report.summary import HeatMap, Summary, divergence_positions, heat_map, summarize, tolerance_ratio, waits_in
 
 __all__ = ["render_html", "render_index", "report_path", "write_html"]
 
@@ -570,13 +570,6 @@ def _heatmap(report: DiagnosisReport) -> str:
     return legend + svg
 
 
-def _rank_in(row: dict[str, Any]) -> str:
-    """'all_reduce #3 on mesh_dp': the collective a rank waits in."""
-    seq = f" #{row['seq']}" if row.get("seq") is not None else ""
-    group = f" on {row['group']}" if row.get("group") else ""
-    return f"{row.get('op', '')}{seq}{group}" if row.get("op") else ""
-
-
 def _ranks(report: DiagnosisReport) -> str:
     """A hung or failed run around where each rank is: one row a rank (state, the op and its
     sequence number, the group's ranks, the user's frame, the last collective it completed),
@@ -587,7 +580,7 @@ def _ranks(report: DiagnosisReport) -> str:
             "<th scope='col'>your code</th><th scope='col'>last completed</th></tr>")
     rows = "".join(
         f"<tr class='{'bad' if r['state'] != 'finished' else ''}'><td>{r['rank']}</td><td>{_e(r['state'])}</td>"
-        f"<td>{_e(_rank_in(r))}</td>"
+        f"<td>{_e(waits_in(r))}</td>"
         f"<td>{_e(r['group_ranks'] if r.get('group_ranks') is not None else '')}</td>"
         f"<td class='code'>{_e(r.get('site', ''))}</td><td>{_e(r.get('last_completed', ''))}</td></tr>" for r in report.ranks)
     table = f"<table>{head}{rows}</table>"

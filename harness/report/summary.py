@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.report.model import DiagnosisReport, entry_name
 
-__all__ = ["HeatMap", "Summary", "divergence_positions", "heat_map", "summarize", "tolerance_ratio"]
+__all__ = ["HeatMap", "Summary", "divergence_positions", "first_location", "heat_map", "summarize", "tolerance_ratio", "waits_in"]
 
 
 @dataclass
@@ -33,6 +33,23 @@ class Summary:
     next_command: str = ""
     repro: str = ""
     environment: dict[str, Any] = field(default_factory=dict)
+
+
+def first_location(report: DiagnosisReport) -> dict[str, Any] | None:
+    """Where the run departs (harness.analysis.divergence): the first diagnosis's location."""
+    return next((d.evidence["first_divergent_op"] for d in report.verdict.diagnoses
+                 if isinstance(d.evidence.get("first_divergent_op"), dict)), None)
+
+
+def waits_in(row: dict[str, Any], *, members: bool = False) -> str:
+    """'all_reduce #3 on 1:mesh_dp' (with ``members``: and its ranks): the collective a hung
+    rank waits in, from :func:`harness.launch.failure_text.rank_states`' row; "" for none."""
+    if not row.get("op"):
+        return ""
+    seq = f" #{row['seq']}" if row.get("seq") is not None else ""
+    group = f" on {row['group']}" if row.get("group") else ""
+    ranks = f" {row['group_ranks']}" if members and row.get("group") and row.get("group_ranks") is not None else ""
+    return f"{row['op']}{seq}{group}{ranks}"
 
 
 def tolerance_ratio(row: dict[str, Any]) -> float | None:
@@ -55,8 +72,7 @@ def summarize(report: DiagnosisReport) -> Summary:
     cmp = report.comparison or {}
     rows = cmp.get("tensors") or []
     out = Summary(verdict=v.verdict, codes=list(v.codes), headline=_headline(report))
-    location = next((d.evidence.get("first_divergent_op") for d in v.diagnoses
-                     if isinstance(d.evidence.get("first_divergent_op"), dict)), None)
+    location = first_location(report)
     if location:
         out.where = str(location.get("line", ""))
         out.location = {k: location.get(k) for k in ("step", "rank", "phase", "module", "op", "site") if location.get(k) is not None}
@@ -141,8 +157,7 @@ def _next_command(report: DiagnosisReport) -> str:
         return f"python -m harness diagnose {name} -v  (each rank's whole stack)"
     if v.verdict == "error":
         return f"python -m harness diagnose {name} -v  (the whole launcher report)"
-    step = next((d.evidence.get("first_divergent_op", {}).get("step") for d in v.diagnoses
-                 if isinstance(d.evidence.get("first_divergent_op"), dict)), None)
+    step = (first_location(report) or {}).get("step")
     if step is not None:
         return f"python -m harness diagnose {name} --steps {int(step) + 1} -v  (only up to the first departing step)"
     return f"python -m harness diagnose {name} -v  (every comparison, and every note)"

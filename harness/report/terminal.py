@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from harness.report.model import DiagnosisReport, entry_name
+from harness.report.summary import first_location, waits_in
 
 __all__ = ["format_evidence", "format_terminal"]
 
@@ -45,15 +46,15 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         f"{head}{'  ' + codes if codes else ''}  "
         f"[{t['name']}: {t['strategy']} on {t['nproc']} {'simulated ' if t.get('simulated') else ''}ranks, case {t['case']!r}, {t['steps']} steps]"
     ]
-    where = next((d.evidence["first_divergent_op"]["line"] for d in v.diagnoses
-                  if isinstance(d.evidence.get("first_divergent_op"), dict) and "line" in d.evidence["first_divergent_op"]), "")
+    where = (first_location(report) or {}).get("line", "")
     if where:  # what a person acts on, before any evidence
         lines.append(f"  where: {where}")
     if t.get("description"):
         lines.append(f"  {t['description']}")
     for d in v.diagnoses:
         lines.append(f"  {d.code}: {d.summary}")
-        lines += [line for line in format_evidence(d.evidence, verbose=verbose) if line.strip() != f"where: {where}" or not where]
+        shown_evidence = {k: e for k, e in d.evidence.items() if not (where and k == "first_divergent_op")}  # said above
+        lines += format_evidence(shown_evidence, verbose=verbose)
     expected = t.get("expected_code")
     if expected:
         ok = expected in v.codes
@@ -83,11 +84,10 @@ def format_terminal(report: DiagnosisReport, *, verbose: bool = False) -> str:
         # Where each rank is, one line a rank; the whole launcher report (stacks) with -v.
         lines.append("  ranks:")
         for r in ranks:
-            seq = f" #{r['seq']}" if r.get("seq") is not None else ""
-            group = f" on {r['group']} {r['group_ranks']}" if r.get("group") else ""
+            inside = waits_in(r, members=True)
             at = f" at {r['site']}" if r.get("site") else ""
             last = f"; last completed {r['last_completed']}" if r.get("last_completed") else ""
-            lines.append(f"    rank {r['rank']}: {r['state']}{' in ' + r['op'] + seq + group if r.get('op') else ''}{at}{last}")
+            lines.append(f"    rank {r['rank']}: {r['state']}{' in ' + inside if inside else ''}{at}{last}")
         lines.append("  launcher report: every rank's stack and collectives with -v (or in the HTML report)")
     elif v.error and (v.verdict in ("error", "hang") or verbose):
         text = v.error if verbose else "\n".join(v.error.splitlines()[:40])

@@ -11,7 +11,7 @@ from reference.case import Case
 
 from harness.analysis.compare import CompareResult, TensorComparison
 
-__all__ = ["first_failing_step", "optimizer_location", "samples_location"]
+__all__ = ["first_failing_step", "optimizer_location", "optimizer_step_name", "samples_location"]
 
 
 def first_failing_step(comparison: CompareResult) -> tuple[int, list[TensorComparison]] | None:
@@ -73,6 +73,14 @@ def samples_location(comparison: CompareResult, actual: Any, reference: Any) -> 
     return found
 
 
+def optimizer_step_name(case: Case | None) -> str:
+    """'AdamW.step': the case's optimizer's step, as a location's op names it."""
+    factory = getattr(case, "optimizer_factory", None)
+    if factory is None:
+        return "optimizer.step"
+    return f"{getattr(getattr(factory, 'func', factory), '__name__', type(factory).__name__)}.step"
+
+
 def optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any] | None:
     """The gradients of the first failing step match and a parameter does not: the update."""
     first = first_failing_step(comparison)
@@ -86,9 +94,7 @@ def optimizer_location(comparison: CompareResult, case: Case) -> dict[str, Any] 
     if not grads or not all(t.passed for t in grads):
         return None
     worst = max((t for t in at_step if t.kind == "param"), key=lambda t: t.max_rel, default=at_step[0])
-    factory = case.optimizer_factory
-    optimizer = getattr(getattr(factory, "func", factory), "__name__", type(factory).__name__)
-    return {"phase": "optimizer", "module": worst.name, "module_type": None, "op": f"{optimizer}.step",
+    return {"phase": "optimizer", "module": worst.name, "module_type": None, "op": optimizer_step_name(case),
             "rank": None, "step": step, "max_abs": worst.max_abs, "max_rel": worst.max_rel,
             "tolerance": {"rtol": worst.tolerance.rtol, "atol": worst.tolerance.atol, "of": "each element"},
             "compared": f"every gradient of step {step} matches; {len([t for t in at_step if t.kind == 'param'])} "
